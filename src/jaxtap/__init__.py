@@ -1,0 +1,35 @@
+"""jax-tap: zero-code-change runtime telemetry for JAX control flow.
+
+>>> import jaxtap as tap
+"""
+from jax.lax import scan as original_scan
+from jax.lax import while_loop as original_while_loop
+
+from ._collectors import FlightRecorder, JSONLWriter, read_jsonl
+from ._emit import TapSelectError
+from ._event import TapEvent
+from ._host import TapWarning
+from ._record import TapContext, emergency_restore, record
+from ._toolkit import on, primitives, print, watch_nan  # noqa: A004
+from ._verbose import verbose
+from ._version import __version__
+
+__all__ = [
+    "FlightRecorder",
+    "JSONLWriter",
+    "TapContext",
+    "TapEvent",
+    "TapSelectError",
+    "TapWarning",
+    "__version__",
+    "emergency_restore",
+    "on",
+    "original_scan",
+    "original_while_loop",
+    "primitives",
+    "print",
+    "read_jsonl",
+    "record",
+    "verbose",
+    "watch_nan",
+]

@@ -1,0 +1,122 @@
+"""Emission: the only module that creates host callbacks.
+
+Everything that leaves the device goes through :func:`jax.debug.callback`
+here. The device side runs the user's ``select`` (inside the sampled branch
+only), ships the array leaves of its result, and the host side rebuilds the
+pytree from host copies and hands a :class:`TapEvent` to a sink.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _seam
+from ._event import TapEvent
+from ._host import Guard
+
+
+class TapSelectError(TypeError):
+    """A ``select`` function failed while jax-tap traced it."""
+
+
+def _describe(leaves) -> str:
+    parts = []
+    for i, x in enumerate(leaves):
+        aval = getattr(x, "aval", None)
+        if aval is not None:
+            parts.append(f"  leaves[{i}]: {aval.str_short()}")
+        else:
+            parts.append(f"  leaves[{i}]: {type(x).__name__}")
+    return "\n".join(parts) or "  (no leaves)"
+
+
+def run_select(select, select_path, leaves, path, what="carry leaves"):
+    """Call the user's select on device values; explain failures clearly."""
+    if select is None:
+        return tuple(leaves)
+    try:
+        if select_path == "keyword":
+            return select(tuple(leaves), path=path)
+        if select_path == "positional":
+            return select(tuple(leaves), path)
+        return select(tuple(leaves))
+    except Exception as exc:  # noqa: BLE001 - re-raised with context
+        raise TapSelectError(
+            f"jax-tap: your `select` failed while tracing the tap at {path!r}: "
+            f"{type(exc).__name__}: {exc}\n"
+            f"select receives a tuple of the {what} (they are traced JAX values, so "
+            "use jnp operations, not Python control flow on their values):\n"
+            f"{_describe(leaves)}"
+        ) from None
+
+
+def _to_host(x):
+    a = np.array(x, copy=True)
+    return a[()] if a.ndim == 0 else a
+
+
+def _split_payload(value):
+    """Array leaves travel as operands; anything else is baked in statically."""
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    dynamic, static = [], {}
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, (jax.Array, _seam.Tracer)):
+            dynamic.append(leaf)
+        elif isinstance(leaf, (np.ndarray, np.generic)):
+            dynamic.append(jnp.asarray(leaf))
+        else:
+            static[i] = leaf
+    return dynamic, static, treedef, len(leaves)
+
+
+def make_host_fn(deliver, guard: Guard, path, top, total, kind, sample_every, static, treedef, n_leaves):
+    """The host half: rebuild the event and deliver it, never raising."""
+
+    def host(step, *arrays):
+        try:
+            step = int(np.asarray(step))
+            if sample_every > 1 and step % sample_every:
+                return  # a vmapped cond ran both branches; drop unsampled steps
+            it = iter(arrays)
+            leaves = [static[i] if i in static else _to_host(next(it)) for i in range(n_leaves)]
+            value = jax.tree_util.tree_unflatten(treedef, leaves)
+            deliver(TapEvent(path, step, value, total, kind), top)
+        except Exception as exc:  # noqa: BLE001 - totality
+            guard.failed(exc)
+
+    return host
+
+
+def emit(deliver, guard, *, path, top, total, kind, step, payload_fn, sample_every):
+    """Stage one tap: gated on device by ``step % sample_every == 0``.
+
+    ``payload_fn()`` builds the device-side value (the user's select); it is
+    only traced inside the sampled branch, so unsampled steps never run it.
+    """
+
+    def fire(step):
+        dynamic, static, treedef, n = _split_payload(payload_fn())
+        host = make_host_fn(deliver, guard, path, top, total, kind, sample_every, static, treedef, n)
+        jax.debug.callback(host, step, *dynamic)
+
+    if sample_every == 1:
+        fire(step)
+        return
+
+    def sampled(s):
+        fire(s)
+        return ()
+
+    jax.lax.cond(step % sample_every == 0, sampled, lambda s: (), step)
+
+
+def finite_flag(outs):
+    """One bool on device: are all floating outputs finite?"""
+    flags = [jnp.all(jnp.isfinite(o)) for o in outs if jnp.issubdtype(o.dtype, jnp.inexact)]
+    if not flags:
+        return jnp.bool_(True)
+    out = flags[0]
+    for f in flags[1:]:
+        out = out & f
+    return out

@@ -1,0 +1,177 @@
+"""Host-side delivery: consumers, alert lines, and callback totality.
+
+Nothing a consumer does may change or crash the user's program: every
+consumer runs behind a guard that swallows its exceptions and warns once
+(falling back to a plain stderr line when warnings themselves raise, as
+under ``python -W error``).
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from ._event import TapEvent
+
+
+class TapWarning(RuntimeWarning):
+    """A telemetry consumer failed; the program itself was not touched."""
+
+
+def _say(text: str) -> None:
+    """Write one line to stderr; never raise."""
+    try:
+        stream = sys.stderr
+        if stream is None:
+            return
+        stream.write(text + "\n")
+        stream.flush()
+    except Exception:
+        pass
+
+
+def warn_once_now(message: str) -> None:
+    """Issue a TapWarning; if warnings are errors, fall back to stderr."""
+    try:
+        warnings.warn(message, TapWarning, stacklevel=2)
+    except Exception:
+        _say(f"[tap] warning: {message}")
+
+
+class Guard:
+    """Runs one consumer; swallows its failures and warns about them once."""
+
+    __slots__ = ("fn", "role", "_warned", "_lock")
+
+    def __init__(self, fn: Callable, role: str):
+        self.fn = fn
+        self.role = role
+        self._warned = False
+        self._lock = threading.Lock()
+
+    def __call__(self, *args) -> Any:
+        try:
+            return self.fn(*args)
+        except Exception as exc:  # noqa: BLE001 - totality is the point
+            self.failed(exc)
+            return None
+
+    def failed(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._warned:
+                return
+            self._warned = True
+        name = getattr(self.fn, "__qualname__", None) or repr(self.fn)
+        warn_once_now(
+            f"jax-tap: the {self.role} {name} raised {type(exc).__name__}: {exc}. "
+            "The program is unaffected; further failures of this consumer are silent."
+        )
+
+
+def fmt_total(total: Optional[int]) -> str:
+    return "?" if total is None else str(total)
+
+
+def fail_line(event: TapEvent, message: str) -> str:
+    return f"[tap] FAIL {event.path} {event.step}/{fmt_total(event.total)}: {message}"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(part.strip() for part in text.splitlines())
+
+
+def value_repr(value: Any) -> str:
+    """One-line numpy repr with the toolkit's print options.
+
+    Scalars print as 1-element arrays (``array([0.8499], dtype=float32)``),
+    as in the spec's examples; a multi-output primitive prints its outputs
+    in primitive order, separated by ``", "``.
+    """
+    with np.printoptions(precision=4, threshold=8, edgeitems=2):
+        if isinstance(value, tuple) and value and all(isinstance(v, (np.ndarray, np.generic)) for v in value):
+            return ", ".join(_one_line(repr(np.atleast_1d(v))) for v in value)
+        if isinstance(value, (np.ndarray, np.generic)):
+            return _one_line(repr(np.atleast_1d(value)))
+        return _one_line(repr(value))
+
+
+class Alerter:
+    """Evaluates an alert predicate for an event and prints a FAIL line."""
+
+    def __init__(self, predicate: Callable, once: bool, label: str = "alert", on_value: bool = False):
+        self.guard = Guard(predicate, "alert")
+        self.once = once
+        self.label = label
+        self.on_value = on_value  # primitive taps pass the value, carry alerts the event
+        self._fired: set = set()
+        self._lock = threading.Lock()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._fired.clear()
+
+    def __call__(self, event: TapEvent) -> None:
+        if self.once:
+            with self._lock:
+                if event.path in self._fired:
+                    return
+        try:
+            verdict = self.guard(event.value if self.on_value else event)
+            if isinstance(verdict, str):
+                message = verdict
+            elif _truthy(verdict, self.guard):
+                message = self.label
+            else:
+                return
+        except Exception as exc:  # noqa: BLE001
+            self.guard.failed(exc)
+            return
+        if self.once:
+            with self._lock:
+                if event.path in self._fired:
+                    return
+                self._fired.add(event.path)
+        _say(fail_line(event, message))
+
+
+def _truthy(verdict: Any, guard: Guard) -> bool:
+    try:
+        return bool(verdict)
+    except Exception as exc:  # noqa: BLE001 - e.g. an array with many elements
+        guard.failed(exc)
+        return False
+
+
+class Consumers:
+    """The host-side fan-out for one tap configuration.
+
+    Order per event: alert, then the recorder, then ``on_step``.
+    """
+
+    def __init__(self, on_step=None, alert=None, alert_once=False, recorder=None):
+        self.alert = Alerter(alert, alert_once) if alert is not None else None
+        self.recorder = recorder
+        self.on_step = Guard(on_step, "on_step callback") if on_step is not None else None
+        self.lock = threading.Lock()
+
+    @property
+    def observes(self) -> bool:
+        return any(x is not None for x in (self.alert, self.recorder, self.on_step))
+
+    def new_run(self) -> None:
+        if self.alert is not None:
+            self.alert.reset()
+
+    def deliver(self, event: TapEvent) -> None:
+        if self.alert is not None:
+            self.alert(event)
+        if self.recorder is not None:
+            try:
+                self.recorder.append(event)
+            except Exception:  # noqa: BLE001
+                pass
+        if self.on_step is not None:
+            self.on_step(event)

@@ -1,0 +1,171 @@
+"""Validation of the user's keyword arguments, and the device-side plan.
+
+Bad input is rejected here, before any program runs, with a message that
+names the parameter and the fix.
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Tuple
+
+OPS = ("scan", "while_loop")
+_OP_ALIASES = {"scan": "scan", "while_loop": "while", "while": "while", "fori_loop": None, "map": None}
+
+
+def _check_callable(name: str, fn, allow_none: bool = True):
+    if fn is None and allow_none:
+        return
+    if not callable(fn):
+        raise TypeError(
+            f"jax-tap: `{name}` must be callable (or None), got {type(fn).__name__}: {fn!r}. "
+            f"Pass a function, e.g. {name}=lambda e: ..."
+        )
+
+
+def normalize_ops(ops) -> frozenset:
+    if isinstance(ops, str):
+        ops = (ops,)
+    try:
+        ops = tuple(ops)
+    except TypeError:
+        raise TypeError(
+            f"jax-tap: `ops` must be a tuple of loop names from {OPS}, got {ops!r}"
+        ) from None
+    kinds = set()
+    for op in ops:
+        if not isinstance(op, str) or _OP_ALIASES.get(op) is None:
+            close = difflib.get_close_matches(str(op), OPS, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"jax-tap: unknown loop name {op!r} in `ops`; choose from {OPS}.{hint} "
+                "(fori_loop and lax.map are scans or while loops already.)"
+            )
+        kinds.add(_OP_ALIASES[op])
+    return frozenset(kinds)
+
+
+def check_sample_every(k) -> int:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(
+            f"jax-tap: `sample_every` must be a positive int, got {k!r}. "
+            "Use sample_every=1 to observe every step, 100 for one step in a hundred."
+        )
+    return k
+
+
+def check_max_depth(d) -> Optional[int]:
+    if d is None:
+        return None
+    if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+        raise ValueError(
+            f"jax-tap: `max_depth` must be None or an int >= 0, got {d!r}. "
+            "max_depth=0 observes only the outermost loops."
+        )
+    return d
+
+
+def select_wants_path(select) -> bool:
+    """True when `select` takes the node address (keyword `path` or 2 params)."""
+    try:
+        sig = inspect.signature(select)
+    except (TypeError, ValueError):
+        return False
+    params = list(sig.parameters.values())
+    if any(p.name == "path" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params):
+        return "keyword"
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) >= 2 and positional[1].default is inspect.Parameter.empty:
+        return "positional"
+    return False
+
+
+def fingerprint(fn) -> Any:
+    """A hashable identity for a function: equal for re-created lambdas."""
+    if fn is None:
+        return None
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ("obj", id(fn))
+    cells = getattr(fn, "__closure__", None) or ()
+    contents = []
+    for c in cells:
+        try:
+            contents.append(id(c.cell_contents))
+        except ValueError:
+            contents.append(None)
+    defaults = tuple(id(d) for d in (getattr(fn, "__defaults__", None) or ()))
+    return ("fn", code, tuple(contents), defaults, id(getattr(fn, "__self__", None)))
+
+
+@dataclass(frozen=True, eq=False)
+class PrimTap:
+    """A primitive tap: created by ``tap.on``, ``tap.watch_nan``, ``tap.print``."""
+
+    prim: Optional[str]  # None = every floating-point equation (NaN birth sites)
+    select: Optional[Callable] = None
+    alert: Optional[Callable] = None
+    label: Optional[str] = None
+    output: Optional[int] = None
+    once: bool = False
+    mode: str = "on"  # "on" | "nan" | "print" | "nan_birth"
+
+    def fingerprint(self):
+        return (self.prim, fingerprint(self.select), self.output, self.mode)
+
+
+@dataclass(eq=False)
+class Plan:
+    """Everything the device-side rewrite needs to know, nothing host-side."""
+
+    select: Optional[Callable]
+    sample_every: int
+    kinds: frozenset
+    where: Optional[Callable]
+    max_depth: Optional[int]
+    emit_carry: bool
+    prim_taps: Tuple[PrimTap, ...] = ()
+    select_path: Any = False
+    _needs_cache: dict = field(default_factory=dict)
+
+    def fingerprint(self):
+        return (
+            fingerprint(self.select), self.sample_every, tuple(sorted(self.kinds)),
+            fingerprint(self.where), self.max_depth, self.emit_carry,
+            tuple(t.fingerprint() for t in self.prim_taps),
+        )
+
+    @property
+    def tapped_names(self) -> frozenset:
+        return frozenset(t.prim for t in self.prim_taps)
+
+    @property
+    def active(self) -> bool:
+        return self.emit_carry or bool(self.prim_taps)
+
+
+def build_plan(*, select, sample_every, ops, where, max_depth, taps, emit_carry) -> Plan:
+    _check_callable("select", select)
+    _check_callable("where", where)
+    taps = tuple(taps or ())
+    for t in taps:
+        if not isinstance(t, PrimTap):
+            raise TypeError(
+                f"jax-tap: `taps` must hold taps made by tap.on / tap.watch_nan / tap.print, got {t!r}"
+            )
+    return Plan(
+        select=select,
+        sample_every=check_sample_every(sample_every),
+        kinds=normalize_ops(ops),
+        where=where,
+        max_depth=check_max_depth(max_depth),
+        emit_carry=emit_carry,
+        prim_taps=taps,
+        select_path=select_wants_path(select) if select is not None else False,
+    )
+
+
+def check_host_callables(on_step, alert):
+    _check_callable("on_step", on_step)
+    _check_callable("alert", alert)

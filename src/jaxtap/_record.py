@@ -1,0 +1,339 @@
+"""The with-form lifecycle and host routing.
+
+``with tap.record(...) as rec:`` taps every loop the block executes without
+touching the user's code or any ``jax.lax`` name:
+
+* **interception** - while any block is active, the ``bind`` of the loop
+  primitives (``scan``, ``while``) is routed through :func:`_intercept`. The
+  outermost loop bind (not one made while JAX traces another loop's body) is
+  rewritten by the same transform ``verbose`` uses; nested loops are reached
+  by that walk. This sees ``from jax.lax import scan``, ``fori_loop``,
+  ``lax.map`` and library code alike.
+* **keying** - a thread-local JAX config state (part of every jit cache key)
+  holds a token per distinct device-side configuration and thread. Inside the
+  block, functions jitted *before* it re-trace (and get tapped); after it,
+  they hit their clean compilation again.
+* **routing** - the host half of each tap looks up, when an event arrives,
+  the innermost active block of its token and delivers there.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+from typing import Optional
+
+from . import _seam
+from ._collectors import FlightRecorder
+from ._emit import TapSelectError
+from ._host import Consumers, Guard, warn_once_now
+from ._options import build_plan, check_host_callables
+from ._toolkit import prim_consumers, warn_unmatched
+from ._transform import SiteIndex, Sinks, Walker, handle_scan, handle_while
+from ._verbose import make_tapped
+
+_HANDLERS = {_seam.scan_p: handle_scan, _seam.while_p: handle_while}
+
+
+class Token:
+    """Identity of one device-side tap configuration on one thread."""
+
+    __slots__ = ("key", "walker", "__weakref__")
+
+    def __init__(self, key, plan):
+        self.key = key
+        router = _Router(self)
+        guard = Guard(plan.select or (lambda leaves: leaves), "select (its result could not be rebuilt on the host)")
+        sinks = Sinks(router.carry, [router.prim(i) for i in range(len(plan.prim_taps))], guard)
+        self.walker = Walker(plan, sinks, SiteIndex())
+
+    def __repr__(self):
+        return f"<jaxtap token {id(self):#x}>"
+
+
+class _Router:
+    """Host routing: deliver to the innermost active block of the token.
+
+    The outermost index of an address is the block's own: the n-th distinct
+    top-level loop (by source line) this block met, so a block's addresses
+    do not depend on what earlier blocks with the same configuration ran.
+    """
+
+    def __init__(self, token):
+        self._token = weakref.ref(token)
+
+    def _receive(self, event, top):
+        token = self._token()
+        ctx = None if token is None else _REGISTRY.innermost(token)
+        if ctx is None:
+            return None, event
+        if top is not None:
+            first, sep, rest = event.path.partition("/")
+            mine = f"{top[0]}[{ctx._sites.index(*top)}]"
+            if mine != first:
+                event = dataclasses.replace(event, path=mine + sep + rest)
+                where = ctx._plan.where
+                if where is not None and event.kind == "carry" and not _safe_where(where, event.path):
+                    return None, event
+        return ctx, event
+
+    def carry(self, event, top):
+        ctx, event = self._receive(event, top)
+        if ctx is not None:
+            ctx._consumers.deliver(event)
+
+    def prim(self, i):
+        def deliver(event, top):
+            ctx, event = self._receive(event, top)
+            if ctx is not None:
+                ctx._prims[i].deliver(event)
+
+        return deliver
+
+
+def _safe_where(where, path):
+    try:
+        return bool(where(path))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+class _Registry:
+    """Active contexts per thread, tokens per configuration, and patches."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.stacks: dict = {}  # thread ident -> [weakref(ctx)], innermost last
+        self.tokens: dict = {}  # (plan fingerprint, thread ident) -> Token
+        self.n_active = 0
+
+    # -- tokens
+    def token_for(self, plan, thread):
+        key = (plan.fingerprint(), thread)
+        with self.lock:
+            tok = self.tokens.get(key)
+            if tok is None:
+                tok = self.tokens[key] = Token(key, plan)
+            return tok
+
+    # -- stacks
+    def push(self, ctx):
+        with self.lock:
+            stack = self.stacks.setdefault(ctx._thread, [])
+            stack.append(weakref.ref(ctx, _collected))
+            self.n_active += 1
+            _install()
+        self._sync_thread_token()
+
+    def remove(self, ctx_ref_or_ctx, thread):
+        with self.lock:
+            stack = self.stacks.get(thread, [])
+            for i in range(len(stack) - 1, -1, -1):
+                r = stack[i]
+                if r is ctx_ref_or_ctx or r() is ctx_ref_or_ctx:
+                    del stack[i]
+                    self.n_active -= 1
+                    break
+            if not stack:
+                self.stacks.pop(thread, None)
+            if self.n_active <= 0:
+                self.n_active = 0
+                _uninstall()
+        if thread == threading.get_ident():
+            self._sync_thread_token()
+
+    def top(self, thread):
+        stack = self.stacks.get(thread)
+        while stack:
+            ctx = stack[-1]()
+            if ctx is not None:
+                return ctx
+            stack.pop()
+        return None
+
+    def innermost(self, token):
+        with self.lock:
+            stack = self.stacks.get(token.key[1], ())
+            for r in reversed(stack):
+                ctx = r()
+                if ctx is not None and ctx._token is token:
+                    return ctx
+        return None
+
+    def _sync_thread_token(self):
+        ctx = self.top(threading.get_ident())
+        _seam.set_thread_token(ctx._token if ctx is not None else None)
+
+    def reset(self):
+        with self.lock:
+            self.stacks.clear()
+            self.tokens.clear()
+            self.n_active = 0
+            _uninstall()
+        _seam.set_thread_token(None)
+
+
+_REGISTRY = _Registry()
+
+
+def _collected(ref):
+    """A context was garbage-collected while active: drop it."""
+    for thread, stack in list(_REGISTRY.stacks.items()):
+        if ref in stack:
+            _REGISTRY.remove(ref, thread)
+
+
+# ------------------------------------------------------------- interception
+def _install():
+    for prim in _HANDLERS:
+        if not _seam.bind_is_patched(prim):
+            _seam.install_bind(prim, _make_bind(prim))
+
+
+def _uninstall():
+    for prim in _HANDLERS:
+        _seam.uninstall_bind(prim)
+
+
+def _make_bind(prim):
+    handler = _HANDLERS[prim]
+
+    def bind(*args, **params):
+        if _seam.BUSY.depth or not _REGISTRY.n_active:
+            return _seam.bind_original(prim, args, params)
+        ctx = _REGISTRY.top(threading.get_ident())
+        if ctx is None or _seam.inside_loop_body_trace():
+            return _seam.bind_original(prim, args, params)
+        return _intercept(prim, handler, ctx, args, params)
+
+    bind.__jaxtap_patch__ = True
+    return bind
+
+
+def _intercept(prim, handler, ctx, args, params):
+    walker = ctx._token.walker
+    site = _seam.current_site()
+    ctx._sites.index("scan" if prim is _seam.scan_p else "while", site)  # program order
+    with _seam.quiet():
+        try:
+            body = params.get("jaxpr") or params.get("body_jaxpr")
+            if body is not None:
+                ctx._names_seen.update(_seam.collect_names(body.jaxpr))
+            return handler(walker, None, params, list(args), walker.top_scope(), site)
+        except TapSelectError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - our failure must not be the user's
+            try:
+                out = _seam.bind_original(prim, args, params)
+            except Exception:
+                raise exc from None  # the program itself fails the same way
+            warn_once_now(f"jax-tap: could not tap a {prim.name} loop ({type(exc).__name__}: {exc}); it ran untapped.")
+            return out
+
+
+# ------------------------------------------------------------- the context
+class TapContext:
+    """The with-form: ``with tap.record(**cfg) as rec:``.
+
+    Entering returns the :class:`FlightRecorder` that receives every event
+    of the block. See :func:`record`.
+    """
+
+    def __init__(self, *, on_step=None, select=None, alert=None, alert_once=False, ops=("scan", "while_loop"),
+                 sample_every=1, where=None, max_depth=None, taps=(), recorder: Optional[FlightRecorder] = None):
+        check_host_callables(on_step, alert)
+        self.recorder = recorder if recorder is not None else FlightRecorder()
+        self._plan = build_plan(select=select, sample_every=sample_every, ops=ops, where=where,
+                                max_depth=max_depth, taps=taps, emit_carry=True)
+        self._consumers = Consumers(on_step, alert, alert_once, recorder=self.recorder)
+        self._prims = prim_consumers(self._plan.prim_taps, self.recorder)
+        self._token = None
+        self._thread = None
+        self._active = False
+        self._names_seen: set = set()
+        self._sites = SiteIndex()
+
+    @property
+    def events(self):
+        return self.recorder.events
+
+    def __enter__(self) -> FlightRecorder:
+        if self._active:
+            raise RuntimeError(
+                "jax-tap: this tap.record() context is already active; create a new one "
+                "(tap.record(...)) for a nested or concurrent block."
+            )
+        self._thread = threading.get_ident()
+        self._token = _REGISTRY.token_for(self._plan, self._thread)
+        self._active = True
+        self._names_seen = set()
+        self._sites = SiteIndex()
+        _REGISTRY.push(self)
+        return self.recorder
+
+    def __exit__(self, exc_type, exc, tb):
+        if not self._active:
+            return False
+        try:
+            _seam.effects_barrier()  # deliver every event of work dispatched inside
+        except Exception:  # noqa: BLE001 - a failed program already raised its own error
+            pass
+        finally:
+            self._active = False
+            _REGISTRY.remove(self, self._thread)
+        if self._plan.prim_taps and self._names_seen:
+            warn_unmatched(self._plan.prim_taps, self._names_seen)
+        return False
+
+    def __repr__(self):
+        state = "active" if self._active else "inactive"
+        return f"<tap.record context ({state}), {len(self.recorder)} events>"
+
+
+def record(fn=None, /, *, on_step=None, select=None, alert=None, alert_once=False, ops=("scan", "while_loop"),
+           sample_every=1, where=None, max_depth=None, taps=(), maxlen=None):
+    """Record loop telemetry: as a with-block around unmodified code, or by
+    wrapping a function.
+
+    ``with tap.record(**cfg) as rec:`` taps every ``scan``/``while_loop`` the
+    block executes (including functions jitted before the block, library
+    code, ``fori_loop`` and ``lax.map``); ``g, rec = tap.record(f, **cfg)``
+    returns an observed ``f`` and its recorder. Both forms take
+    :func:`verbose`'s keyword arguments and produce the same events.
+
+    Parameters
+    ----------
+    fn : callable, optional
+        Wrap this function instead of returning a context manager.
+    maxlen : int, optional
+        Keep only the last ``maxlen`` events in the recorder.
+    **cfg
+        As for :func:`verbose`.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, jaxtap as tap
+    >>> def f(x0, xs):
+    ...     return jax.lax.scan(lambda c, x: (c * 1.01 + jnp.sin(x), c), x0, xs)
+    >>> with tap.record(select=lambda leaves: {"c": leaves[0]}) as rec:
+    ...     _ = f(jnp.float32(0.0), jnp.linspace(0.0, 1.0, 100))
+    >>> rec.events[-1].path, rec.events[-1].step, rec.events[-1].total
+    ('scan[0]', 99, 100)
+    """
+    rec = FlightRecorder(maxlen=maxlen)
+    cfg = dict(on_step=on_step, select=select, alert=alert, alert_once=alert_once, ops=ops,
+               sample_every=sample_every, where=where, max_depth=max_depth, taps=taps)
+    if fn is None:
+        return TapContext(recorder=rec, **cfg)
+    return make_tapped(fn, recorder=rec, **cfg), rec
+
+
+def emergency_restore() -> None:
+    """Reset jax-tap to a clean slate: remove every interception, forget
+    every active context, clear this thread's jit-key token."""
+    _REGISTRY.reset()
+
+
+def active_contexts() -> int:
+    """How many with-blocks are active (all threads)."""
+    return _REGISTRY.n_active

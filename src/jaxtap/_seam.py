@@ -1,0 +1,337 @@
+"""The jax-internals seam.
+
+Every use of ``jax._src``, every primitive name and every equation parameter
+name that jax-tap depends on lives in this module, so that a JAX upgrade
+touches one file. ``tests/test_seam.py`` fails loudly when one of these
+assumptions stops holding.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.extend as jex
+import numpy as np
+from jax._src import config as _config
+from jax._src import core as _core
+from jax._src import source_info_util as _source_info
+from jax._src import traceback_util as _traceback_util
+from jax._src.interpreters import partial_eval as _pe
+
+# ----------------------------------------------------------------- primitives
+_P = jex.core.primitives
+scan_p = _P.scan_p
+while_p = _P.while_p
+cond_p = _P.cond_p
+jit_p = _P.jit_p
+remat_p = _P.remat_p
+custom_jvp_call_p = _P.custom_jvp_call_p
+custom_vjp_call_p = _P.custom_vjp_call_p
+closed_call_p = _P.closed_call_p
+
+SCAN = scan_p.name  # "scan"
+WHILE = while_p.name  # "while"
+COND = cond_p.name
+JIT = jit_p.name
+REMAT = remat_p.name
+CUSTOM_JVP = custom_jvp_call_p.name
+CUSTOM_VJP = custom_vjp_call_p.name
+CLOSED_CALL = closed_call_p.name
+
+LOOP_PRIMITIVES = (scan_p, while_p)
+
+ClosedJaxpr = jex.core.ClosedJaxpr
+Jaxpr = jex.core.Jaxpr
+Literal = jex.core.Literal
+Var = jex.core.Var
+DropVar = jex.core.DropVar
+Tracer = _core.Tracer
+
+# Hide our own frames from JAX's source info and filtered tracebacks, so
+# that an equation's "user frame" is the user's line, never ours.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_source_info.register_exclusion(_HERE)
+_traceback_util.register_exclusion(_HERE)
+
+# ------------------------------------------------------------ param access
+# scan
+def scan_parts(params):
+    """(body, num_consts, num_carry, length) of a scan equation."""
+    return params["jaxpr"], params["num_consts"], params["num_carry"], params["length"]
+
+
+def scan_with_counter(params, new_body):
+    """Scan params for a body that takes an extra leading int32 carry."""
+    p = dict(params)
+    nc = params["num_consts"]
+    p["jaxpr"] = new_body
+    p["num_carry"] = params["num_carry"] + 1
+    if "linear" in p and p["linear"] is not None:
+        lin = tuple(p["linear"])
+        p["linear"] = lin[:nc] + (False,) + lin[nc:]
+    return p
+
+
+# while
+def while_parts(params):
+    return (params["cond_jaxpr"], params["cond_nconsts"],
+            params["body_jaxpr"], params["body_nconsts"])
+
+
+def while_with_counter(params, new_cond, new_body):
+    p = dict(params)
+    p["cond_jaxpr"] = new_cond
+    p["body_jaxpr"] = new_body
+    return p
+
+
+# jit
+def jit_body(params):
+    return params["jaxpr"]
+
+
+def jit_with_body(params, new_body, extra_inputs=0):
+    """jit params for a new body; every other parameter is kept as it was."""
+    p = dict(params)
+    p["jaxpr"] = new_body
+    if extra_inputs:
+        from jax._src.pjit import UNSPECIFIED
+        p["in_shardings"] = tuple(p["in_shardings"]) + (UNSPECIFIED,) * extra_inputs
+        p["in_layouts"] = tuple(p["in_layouts"]) + (None,) * extra_inputs
+        p["donated_invars"] = tuple(p["donated_invars"]) + (False,) * extra_inputs
+    return p
+
+
+# cond
+def cond_branches(params):
+    return params["branches"]
+
+
+def cond_with_branches(params, branches):
+    p = dict(params)
+    p["branches"] = tuple(branches)
+    return p
+
+
+# remat (jax.checkpoint): an open jaxpr
+def remat_body(params):
+    return ClosedJaxpr(params["jaxpr"], ())
+
+
+def remat_with_body(params, closed):
+    """remat params for a closed body; returns (params, leading const args)."""
+    p = dict(params)
+    jaxpr, consts = open_with_const_inputs(closed)
+    p["jaxpr"] = jaxpr
+    return p, consts
+
+
+# custom_jvp_call / custom_vjp_call / closed_call
+def call_body(params):
+    return params["call_jaxpr"]
+
+
+def call_with_body(params, body):
+    p = dict(params)
+    p["call_jaxpr"] = body
+    return p
+
+
+def subjaxprs_of(params) -> list:
+    """Every jaxpr held in an equation's params (for discovery walks)."""
+    out = []
+    for v in params.values():
+        if isinstance(v, ClosedJaxpr):
+            out.append(v.jaxpr)
+        elif isinstance(v, Jaxpr):
+            out.append(v)
+        elif isinstance(v, (tuple, list)):
+            for x in v:
+                if isinstance(x, ClosedJaxpr):
+                    out.append(x.jaxpr)
+                elif isinstance(x, Jaxpr):
+                    out.append(x)
+    return out
+
+
+# ------------------------------------------------------------ jaxpr tools
+def open_with_const_inputs(closed):
+    """An open jaxpr whose leading inputs are `closed`'s consts."""
+    if not closed.consts:
+        return closed.jaxpr, []
+    return _pe.convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)
+
+
+def trace_closed(fn: Callable, in_avals: Sequence[Any]) -> ClosedJaxpr:
+    """Trace ``fn(*flat_args) -> list`` over abstract values to a ClosedJaxpr."""
+    specs = [_spec_of(a) for a in in_avals]
+    closed = jax.make_jaxpr(lambda *a: list(fn(*a)))(*specs)
+    return closed
+
+
+def _spec_of(aval):
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+
+
+def eval_eqn(eqn, invals):
+    """Bind one equation exactly as ``jax.core.eval_jaxpr`` does."""
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+    with _source_info.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        ans = eqn.primitive.bind(*invals, **bind_params)
+    return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
+def bind_with_params(eqn, prim, invals, params):
+    """Bind ``prim`` with new params under ``eqn``'s source info and context."""
+    bind_params = prim.get_bind_params(params)
+    name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+    with _source_info.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        ans = type(prim).bind(prim, *invals, **bind_params)
+    return list(ans) if prim.multiple_results else [ans]
+
+
+def bind_original(prim, args, params):
+    """The class-level bind, bypassing any instance-level interception."""
+    return type(prim).bind(prim, *args, **params)
+
+
+eval_jaxpr = _core.eval_jaxpr
+
+
+def abstractify(x):
+    return _core.shaped_abstractify(x)
+
+
+def is_array_like(x) -> bool:
+    """True for values that jax-tap passes to the traced program as data."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, Tracer))
+
+
+# ------------------------------------------------------------ source sites
+def site_of_traceback(tb, name_stack):
+    """(file, line, column, backward?) of the first user frame, or None.
+
+    A loop that autodiff transposed keeps its forward twin's source line; the
+    name stack's ``transpose`` marker tells the backward loop apart."""
+    if tb is None:
+        return None
+    frame = _source_info.user_frame(tb)
+    if frame is None:
+        return None
+    backward = "transpose" in str(name_stack)
+    return (frame.file_name, frame.start_line, getattr(frame, "start_column", 0), backward)
+
+
+def site_of_eqn(eqn):
+    return site_of_traceback(eqn.source_info.traceback, eqn.source_info.name_stack)
+
+
+def current_site():
+    return site_of_traceback(_source_info.current().traceback, _source_info.current_name_stack())
+
+
+# ------------------------------------------------------------ trace chain
+# Traces inside which a loop bind is not a top-level user loop: loop bodies
+# (the enclosing loop's rewrite reaches it) and JAX's own lowering rules
+# (``scan`` lowers through ``while_loop`` via ``mlir.lower_fun``).
+_LOOP_BODY_TRACES = frozenset({"scan", "while_body", "while_cond", "fori_loop", "lower_fun"})
+
+
+def inside_loop_body_trace() -> bool:
+    """True when the current bind happens while JAX traces a loop body or
+    lowers a primitive."""
+    trace = _core.trace_ctx.trace
+    seen = 0
+    while trace is not None and seen < 1000:
+        seen += 1
+        frame = getattr(trace, "frame", None)
+        dbg = getattr(frame, "debug_info", None)
+        if dbg is not None and getattr(dbg, "traced_for", None) in _LOOP_BODY_TRACES:
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+# ------------------------------------------------------------ interception
+def install_bind(prim, fn):
+    """Route ``prim.bind`` through ``fn`` (an instance attribute)."""
+    prim.bind = fn
+
+
+def uninstall_bind(prim):
+    prim.__dict__.pop("bind", None)
+
+
+def bind_is_patched(prim) -> bool:
+    return "bind" in prim.__dict__
+
+
+# ------------------------------------------------------------ jit-key state
+# A thread-local config state that JAX includes in every jit cache key: while
+# a with-block is active its token separates tapped from clean compilations.
+TOKEN_STATE = _config.string_or_object_state(
+    "jaxtap_tap_token",
+    None,
+    "jax-tap: the active tap configuration (internal; part of the jit key).",
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+)
+
+
+def set_thread_token(token) -> None:
+    TOKEN_STATE.set_local(token)
+
+
+def thread_token():
+    return TOKEN_STATE.value
+
+
+def token_state_in_trace_context(token) -> bool:
+    """True when ``token`` shows up in JAX's trace context (the jit key)."""
+    prev = TOKEN_STATE.swap_local(token)
+    try:
+        return any(x is token for x in _config.trace_context())
+    finally:
+        TOKEN_STATE.set_local(prev)
+
+
+_local = threading.local()
+
+
+def effects_barrier():
+    jax.effects_barrier()
+
+
+class _Busy(threading.local):
+    depth = 0
+
+
+BUSY = _Busy()
+
+
+class quiet:
+    """While active on this thread, with-form interception stands aside
+    (jax-tap's own tracing, and programs the wrapping form already tapped)."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        BUSY.depth += 1
+
+    def __exit__(self, *exc):
+        BUSY.depth -= 1
+        return False
+
+
+def collect_names(jaxpr, out=None) -> dict:
+    """Primitive name -> count, including every nested jaxpr."""
+    out = {} if out is None else out
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        out[name] = out.get(name, 0) + 1
+        for sub in subjaxprs_of(eqn.params):
+            collect_names(sub, out)
+    return out

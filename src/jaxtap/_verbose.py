@@ -1,0 +1,176 @@
+"""The wrapping form: ``tap.verbose(f)``.
+
+The wrapper traces ``f`` once per input signature, rewrites the jaxpr (see
+``_transform``), caches the result and evaluates it with
+``jax.core.eval_jaxpr`` - eagerly when called eagerly, so every equation
+dispatches exactly as ``f``'s own would, or into whatever trace (jit, vmap,
+grad) the caller is under.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Callable, Optional
+
+import jax
+
+from . import _seam
+from ._host import Consumers, Guard
+from ._options import build_plan, check_host_callables
+from ._toolkit import prim_consumers, warn_unmatched
+from ._transform import SiteIndex, Sinks, Walker, rewrite_program
+
+_MAX_CACHE = 64
+
+
+class Tapped:
+    """A function observed by jax-tap; call it exactly like the original."""
+
+    def __init__(self, f: Callable, walker: Walker, consumers: Consumers, prims, observes: bool):
+        self.__wrapped__ = f
+        functools.update_wrapper(self, f)
+        self._walker = walker
+        self._consumers = consumers
+        self._prims = prims
+        self._observes = observes
+        self._cache: dict = {}
+        self._lock = threading.Lock()
+        self._warned_names = False
+
+    def __get__(self, obj, objtype=None):
+        return self if obj is None else functools.partial(self, obj)
+
+    def _signature(self, leaves, treedef):
+        dyn, key = [], [treedef]
+        for i, x in enumerate(leaves):
+            if _seam.is_array_like(x):
+                dyn.append(x)
+                aval = _seam.abstractify(x)
+                key.append((i, aval.shape, str(aval.dtype), getattr(aval, "weak_type", False)))
+            else:
+                key.append((i, "static", type(x), x))
+        try:
+            key = tuple(key)
+            hash(key)
+        except TypeError:
+            key = None
+        return dyn, key
+
+    def _build(self, leaves, treedef, dyn):
+        positions = [i for i, x in enumerate(leaves) if _seam.is_array_like(x)]
+        f = self.__wrapped__
+
+        def flat(*dyn_args):
+            full = list(leaves)
+            for i, v in zip(positions, dyn_args):
+                full[i] = v
+            args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
+            return f(*args, **kwargs)
+
+        with _seam.quiet():
+            closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*dyn)
+            if not self._warned_names and self._walker.plan.prim_taps:
+                self._warned_names = True
+                warn_unmatched(self._walker.plan.prim_taps, _seam.collect_names(closed.jaxpr))
+            rewritten = rewrite_program(self._walker, closed)
+        out_tree = jax.tree_util.tree_structure(out_shape)
+        cacheable = not any(isinstance(c, _seam.Tracer) for c in rewritten.consts)
+        return rewritten, out_tree, cacheable
+
+    def __call__(self, *args, **kwargs):
+        if not self._observes:
+            return self.__wrapped__(*args, **kwargs)
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        dyn, key = self._signature(leaves, treedef)
+        entry = self._cache.get(key) if key is not None else None
+        if entry is None:
+            rewritten, out_tree, cacheable = self._build(leaves, treedef, dyn)
+            if key is not None and cacheable:
+                with self._lock:
+                    if len(self._cache) >= _MAX_CACHE:
+                        self._cache.pop(next(iter(self._cache)))
+                    self._cache[key] = (rewritten, out_tree)
+        else:
+            rewritten, out_tree = entry
+        self._consumers.new_run()
+        for p in self._prims:
+            p.new_run()
+        with _seam.quiet():
+            outs = _seam.eval_jaxpr(rewritten.jaxpr, rewritten.consts, *dyn)
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    def __repr__(self):
+        return f"<jax-tap verbose of {getattr(self.__wrapped__, '__qualname__', self.__wrapped__)!r}>"
+
+
+def _ignore_top(deliver):
+    return lambda event, top: deliver(event)
+
+
+def make_tapped(f, *, on_step=None, select=None, alert=None, alert_once=False, ops=("scan", "while_loop"),
+                sample_every=1, where=None, max_depth=None, taps=(), recorder=None) -> Tapped:
+    if not callable(f):
+        raise TypeError(f"jax-tap: expected a function to observe, got {type(f).__name__}: {f!r}")
+    check_host_callables(on_step, alert)
+    consumers = Consumers(on_step, alert, alert_once, recorder=recorder)
+    plan = build_plan(select=select, sample_every=sample_every, ops=ops, where=where,
+                      max_depth=max_depth, taps=taps, emit_carry=consumers.observes)
+    prims = prim_consumers(plan.prim_taps, recorder)
+    guard = Guard(select or (lambda leaves: leaves), "select (its result could not be rebuilt on the host)")
+    sinks = Sinks(_ignore_top(consumers.deliver), [_ignore_top(p.deliver) for p in prims], guard)
+    walker = Walker(plan, sinks, SiteIndex())
+    return Tapped(f, walker, consumers, prims, observes=plan.active)
+
+
+def verbose(f: Callable, *, on_step: Optional[Callable] = None, select: Optional[Callable] = None,
+            alert: Optional[Callable] = None, alert_once: bool = False, ops=("scan", "while_loop"),
+            sample_every: int = 1, where: Optional[Callable] = None, max_depth: Optional[int] = None,
+            taps=()) -> Callable:
+    """Observe every ``scan`` / ``while_loop`` step of ``f``, live.
+
+    Returns a function with ``f``'s name and docstring whose outputs and
+    gradients are bitwise identical to ``f``'s, and which streams a
+    :class:`TapEvent` to ``on_step`` for every sampled loop iteration while
+    the compiled program runs.
+
+    Parameters
+    ----------
+    f : callable
+        The function to observe (unmodified).
+    on_step : callable, optional
+        Host-side consumer, called with each carry :class:`TapEvent`.
+    select : callable, optional
+        Device-side reducer over the flat tuple of the carry's leaves; may
+        return any pytree. ``None`` ships every leaf; ``lambda _: ()`` ships
+        only the step. A ``path`` keyword (or a second parameter) receives
+        the node address.
+    alert : callable, optional
+        Host-side predicate on each carry event; a ``str`` return is the
+        message, another truthy value prints ``alert``.
+    alert_once : bool
+        Fire ``alert`` at most once per path per call.
+    ops : tuple of str
+        Loop kinds that emit: ``"scan"``, ``"while_loop"``.
+    sample_every : int
+        Observe steps whose index is a multiple of this (gated on device).
+    where : callable, optional
+        ``where(path) -> bool`` chooses the loops that emit.
+    max_depth : int, optional
+        Only loops whose path has at most this many ``/`` emit.
+    taps : sequence
+        Primitive taps from :func:`on`, :func:`watch_nan`, :func:`print`.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, jaxtap as tap
+    >>> def f(x0):
+    ...     return jax.lax.scan(lambda c, _: (c * 2.0, None), x0, None, length=3)
+    >>> seen = []
+    >>> g = tap.verbose(f, on_step=seen.append, select=lambda leaves: leaves[0])
+    >>> out = jax.block_until_ready(g(jnp.float32(1.0)))
+    >>> jax.effects_barrier()
+    >>> [(e.path, e.step, float(e.value)) for e in seen]
+    [('scan[0]', 0, 2.0), ('scan[0]', 1, 4.0), ('scan[0]', 2, 8.0)]
+    """
+    return make_tapped(f, on_step=on_step, select=select, alert=alert, alert_once=alert_once, ops=ops,
+                       sample_every=sample_every, where=where, max_depth=max_depth, taps=taps)

@@ -70,14 +70,21 @@ def _split_payload(value):
     return dynamic, static, treedef, len(leaves)
 
 
-def make_host_fn(deliver, guard: Guard, path, top, total, kind, sample_every, static, treedef, n_leaves):
+def make_host_fn(deliver, guard: Guard, path, top, total, kind, sample_every, static, treedef, n_leaves,
+                 flagged=False):
     """The host half: rebuild the event and deliver it, never raising."""
 
     def host(step, *arrays):
         try:
+            if flagged:
+                # Under vmap a gating cond runs both branches for every lane:
+                # the flag says whether this lane really fired.
+                flag, arrays = arrays[0], arrays[1:]
+                if not bool(np.asarray(flag)):
+                    return
             step = int(np.asarray(step))
             if sample_every > 1 and step % sample_every:
-                return  # a vmapped cond ran both branches; drop unsampled steps
+                return
             it = iter(arrays)
             leaves = [static[i] if i in static else _to_host(next(it)) for i in range(n_leaves)]
             value = jax.tree_util.tree_unflatten(treedef, leaves)
@@ -88,27 +95,33 @@ def make_host_fn(deliver, guard: Guard, path, top, total, kind, sample_every, st
     return host
 
 
-def emit(deliver, guard, *, path, top, total, kind, step, payload_fn, sample_every):
-    """Stage one tap: gated on device by ``step % sample_every == 0``.
+def emit(deliver, guard, *, path, top, total, kind, step, payload_fn, sample_every, valid=None):
+    """Stage one tap at ``step``.
 
-    ``payload_fn()`` builds the device-side value (the user's select); it is
-    only traced inside the sampled branch, so unsampled steps never run it.
+    Gated on device by ``valid`` when given, else by ``step % sample_every
+    == 0``. ``payload_fn()`` builds the device-side value (the user's
+    select); it is only traced inside the gated branch, so steps that do not
+    fire never run it.
     """
+    flagged = valid is not None
 
-    def fire(step):
+    def fire(step, *flag):
         dynamic, static, treedef, n = _split_payload(payload_fn())
-        host = make_host_fn(deliver, guard, path, top, total, kind, sample_every, static, treedef, n)
-        jax.debug.callback(host, step, *dynamic)
+        host = make_host_fn(deliver, guard, path, top, total, kind, sample_every, static, treedef, n, flagged)
+        jax.debug.callback(host, step, *flag, *dynamic)
 
-    if sample_every == 1:
+    if not flagged and sample_every == 1:
         fire(step)
         return
 
-    def sampled(s):
-        fire(s)
+    def gated(step, *flag):
+        fire(step, *flag)
         return ()
 
-    jax.lax.cond(step % sample_every == 0, sampled, lambda s: (), step)
+    if flagged:
+        jax.lax.cond(valid, gated, lambda *_: (), step, valid)
+    else:
+        jax.lax.cond(step % sample_every == 0, gated, lambda *_: (), step)
 
 
 def finite_flag(outs):

@@ -201,6 +201,52 @@ def bind_original(prim, args, params):
 eval_jaxpr = _core.eval_jaxpr
 
 
+def while_loop(cond_fun, body_fun, init):
+    """``lax.while_loop`` over a tuple carry (bound without interception)."""
+    return jax.lax.while_loop(cond_fun, lambda s: tuple(body_fun(s)), tuple(init))
+
+
+def scan_reverse(params) -> bool:
+    return bool(params["reverse"])
+
+
+def empty_stack(length, aval):
+    """The ys buffer ``scan``'s own lowering starts from."""
+    from jax._src.lax.control_flow import loops as _loops
+    return _loops._empty_array((length,), (None,), aval)
+
+
+def index_in_dim(x, i):
+    from jax._src.lax import slicing as _slicing
+    return _slicing.dynamic_index_in_dim(x, i, keepdims=False, allow_negative_indices=False)
+
+
+def update_index_in_dim(x, update, i):
+    from jax._src.lax import slicing as _slicing
+    return _slicing.dynamic_update_index_in_dim(x, update, i, 0, allow_negative_indices=False)
+
+
+def call_closed(closed, args):
+    """Stage a call of a closed jaxpr, as ``scan``'s lowering does."""
+    from jax._src.lax.eval_jaxpr import eval_jaxpr_p
+    return list(eval_jaxpr_p.bind(*args, jaxpr=closed))
+
+
+def with_jvp_rule(primal_fn, differentiable_fn, args):
+    """Evaluate ``primal_fn(*args)``; differentiate through ``differentiable_fn``.
+
+    Both compute the same values; the first may be built from loops that have
+    no reverse-mode rule.
+    """
+    f = jax.custom_jvp(lambda *a: list(primal_fn(*a)))
+    f.defjvp(lambda primals, tangents: jax.jvp(lambda *a: list(differentiable_fn(*a)), primals, tangents))
+    return f(*args)
+
+
+def optimization_barrier(x):
+    return jax.lax.optimization_barrier(x)
+
+
 def abstractify(x):
     return _core.shaped_abstractify(x)
 

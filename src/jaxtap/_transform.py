@@ -166,11 +166,11 @@ class Walker:
 
         return _seam.trace_closed(fn, list(closed.in_avals) + list(extra_avals))
 
-    def emit_carry(self, path, top, total, step, leaves):
+    def emit_carry(self, path, top, total, step, leaves, valid=None):
         p = self.plan
         emit(
             self.sinks.carry, self.sinks.guard, path=path, top=top, total=total, kind="carry",
-            step=step, sample_every=p.sample_every,
+            step=step, sample_every=p.sample_every, valid=valid,
             payload_fn=lambda: run_select(p.select, p.select_path, leaves, path),
         )
 
@@ -240,51 +240,144 @@ def _one():
 
 # ------------------------------------------------------------------ handlers
 def handle_scan(walker, eqn, params, invals, scope, site):
+    """A scan: observed through a driver and an effect-free runner.
+
+    Evaluated (eagerly, under jit or vmap), an emitting scan becomes a
+    *driver* while loop that emits each sampled carry around a *runner* that
+    executes the user's steps exactly as ``scan`` lowers them, with no host
+    callback inside (so XLA compiles the user's arithmetic as it would
+    untapped). Differentiated, it is a scan with a step counter and the tap
+    in its body (``custom_jvp`` picks that form), because only a scan has a
+    reverse-mode rule.
+    """
     body, nc, ncar, length = _seam.scan_parts(params)
     path, top = scope.address("scan", site)
     emits = walker.emits_carry("scan", path)
     if not emits and not walker.needs(body.jaxpr):
         return _bind(eqn, _seam.scan_p, invals, params)
 
-    def fn(*args):
-        consts, counter, rest = args[:nc], args[nc], args[nc + 1:]
+    def stepped_body(counter, *args):
         child = scope.child(path, Counter(), counter, length, top)
-        outs = interpret(walker, body.jaxpr, body.consts, list(consts) + list(rest), child)
-        if emits:
-            walker.emit_carry(path, top, length, counter, outs[:ncar])
-        return [lax.add(counter, _one())] + list(outs)
+        return interpret(walker, body.jaxpr, body.consts, list(args), child)
 
-    avals = list(body.in_avals)
-    new_body = _seam.trace_closed(fn, avals[:nc] + [_int32_aval()] + avals[nc:])
-    new_params = _seam.scan_with_counter(params, new_body)
-    outs = _bind(eqn, _seam.scan_p, list(invals[:nc]) + [np.int32(0)] + list(invals[nc:]), new_params)
-    return outs[1:]
+    def in_body(*args):
+        def fn(*a):
+            consts, counter, rest = a[:nc], a[nc], a[nc + 1:]
+            outs = stepped_body(counter, *consts, *rest)
+            if emits:
+                walker.emit_carry(path, top, length, counter, outs[:ncar])
+            return [lax.add(counter, _one())] + list(outs)
+
+        avals = list(body.in_avals)
+        new_body = _seam.trace_closed(fn, avals[:nc] + [_int32_aval()] + avals[nc:])
+        new_params = _seam.scan_with_counter(params, new_body)
+        outs = _bind(eqn, _seam.scan_p, list(args[:nc]) + [np.int32(0)] + list(args[nc:]), new_params)
+        return outs[1:]
+
+    if not emits:
+        return in_body(*invals)
+    stepped = _seam.trace_closed(stepped_body, [_int32_aval()] + list(body.in_avals))
+
+    def driven(*args):
+        return _scan_driver(walker, params, stepped, path, top, args)
+
+    return _seam.with_jvp_rule(driven, in_body, list(invals))
+
+
+def _next_stop(i, k):
+    """One past the next sampled step (steps 0, k, 2k, ... are sampled)."""
+    return lax.add(lax.mul(lax.div(lax.add(i, lax.sub(k, _one())), k), k), _one())
+
+
+def _scan_driver(walker, params, stepped, path, top, args):
+    body, nc, ncar, length = _seam.scan_parts(params)
+    reverse = _seam.scan_reverse(params)
+    consts, carry, xs = args[:nc], args[nc:nc + ncar], args[nc + ncar:]
+    ys0 = [_seam.empty_stack(length, aval) for aval in body.out_avals[ncar:]]
+    every = walker.plan.sample_every
+    n = np.int32(length)
+
+    def run_until(i, stop, carry, ys):
+        def r_body(s):
+            i, c, ys = s[0], s[2:2 + ncar], s[2 + ncar:]
+            idx = lax.sub(lax.sub(n, i), _one()) if reverse else i
+            x = [_seam.index_in_dim(v, idx) for v in xs]
+            outs = _seam.call_closed(stepped, [i, *consts, *c, *x])
+            ys = [_seam.update_index_in_dim(b, y, idx) for b, y in zip(ys, outs[ncar:])]
+            return (lax.add(i, _one()), s[1], *outs[:ncar], *ys)
+
+        out = _seam.while_loop(lambda s: lax.lt(s[0], s[1]), r_body, (i, stop, *carry, *ys))
+        return out[0], out[2:2 + ncar], out[2 + ncar:]
+
+    def d_body(s):
+        i, k, c, ys = s[0], s[1], s[2:2 + ncar], s[2 + ncar:]
+        i2, c2, ys2 = run_until(i, lax.min(_next_stop(i, k), n), c, ys)
+        last = lax.sub(i2, _one())
+        valid = None if every == 1 else lax.eq(lax.rem(last, k), np.int32(0))
+        walker.emit_carry(path, top, length, last, list(c2), valid=valid)
+        return (i2, k, *c2, *ys2)
+
+    k0 = _seam.optimization_barrier(np.int32(every))
+    out = _seam.while_loop(lambda s: lax.lt(s[0], n), d_body, (np.int32(0), k0, *carry, *ys0))
+    return list(out[2:])
 
 
 def handle_while(walker, eqn, params, invals, scope, site):
+    """A while loop: observed through a driver and an effect-free runner.
+
+    When this loop emits, it becomes two nested while loops: the *runner*
+    executes the user's cond and body unchanged up to the next sampled step
+    and holds no host callback (so XLA compiles the user's arithmetic as it
+    would untapped - e.g. CPU's "small call" outlining still applies), and
+    the *driver* around it emits the sampled carry.
+    """
     cond, cnc, body, bnc = _seam.while_parts(params)
     path, top = scope.address("while", site)
     emits = walker.emits_carry("while", path)
     if not emits and not walker.needs(body.jaxpr):
         return _bind(eqn, _seam.while_p, invals, params)
+    cconsts, bconsts, init = invals[:cnc], invals[cnc:cnc + bnc], invals[cnc + bnc:]
 
-    def cond_fn(*args):
-        return _seam.eval_jaxpr(cond.jaxpr, cond.consts, *args[:cnc], *args[cnc + 1:])
+    def user_cond(carry):
+        return _seam.eval_jaxpr(cond.jaxpr, cond.consts, *cconsts, *carry)[0]
 
-    def body_fn(*args):
-        consts, counter, carry = args[:bnc], args[bnc], args[bnc + 1:]
-        child = scope.child(path, Counter(), counter, None, top)
-        outs = interpret(walker, body.jaxpr, body.consts, list(consts) + list(carry), child)
-        if emits:
-            walker.emit_carry(path, top, None, counter, outs)
-        return [lax.add(counter, _one())] + list(outs)
+    def user_body(step, carry):
+        child = scope.child(path, Counter(), step, None, top)
+        return interpret(walker, body.jaxpr, body.consts, list(bconsts) + list(carry), child)
 
-    ca, ba = list(cond.in_avals), list(body.in_avals)
-    new_cond = _seam.trace_closed(cond_fn, ca[:cnc] + [_int32_aval()] + ca[cnc:])
-    new_body = _seam.trace_closed(body_fn, ba[:bnc] + [_int32_aval()] + ba[bnc:])
-    new_params = _seam.while_with_counter(params, new_cond, new_body)
-    args = list(invals[:cnc + bnc]) + [np.int32(0)] + list(invals[cnc + bnc:])
-    return _bind(eqn, _seam.while_p, args, new_params)[1:]
+    if not emits:
+        # Nothing to emit here: only thread the step through for the inner taps.
+        def plain_body(s):
+            return (lax.add(s[0], _one()), *user_body(s[0], s[1:]))
+
+        out = _seam.while_loop(lambda s: user_cond(s[1:]), plain_body, (np.int32(0), *init))
+        return list(out[1:])
+
+    every = walker.plan.sample_every
+
+    def run_until(i, stop, carry):
+        def r_cond(s):
+            return lax.bitwise_and(user_cond(s[2:]), lax.lt(s[0], s[1]))
+
+        def r_body(s):
+            return (lax.add(s[0], _one()), s[1], *user_body(s[0], s[2:]))
+
+        out = _seam.while_loop(r_cond, r_body, (i, stop, *carry))
+        return out[0], list(out[2:])
+
+    def d_body(s):
+        i, k, _, carry = s[0], s[1], s[2], s[3:]
+        i2, carry2 = run_until(i, _next_stop(i, k), carry)
+        last = lax.sub(i2, _one())
+        fired = lax.bitwise_and(lax.gt(i2, i), lax.eq(lax.rem(last, k), np.int32(0)))
+        walker.emit_carry(path, top, None, last, carry2, valid=fired)
+        return (i2, k, user_cond(carry2), *carry2)
+
+    # The sampling period enters as a runtime value so XLA cannot prove the
+    # runner's trip count and fold it into the driver.
+    k0 = _seam.optimization_barrier(np.int32(every))
+    out = _seam.while_loop(lambda s: s[2], d_body, (np.int32(0), k0, user_cond(init), *init))
+    return list(out[3:])
 
 
 def _child_scope_fn(scope, prefix, counter, threaded, top=None):

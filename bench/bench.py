@@ -1,0 +1,155 @@
+"""Overhead benchmarks for jax-tap, measured against baselines in the same run.
+
+    python bench/bench.py            # full run, writes bench/results.json
+    python bench/bench.py --smoke    # quick run (CI): reports, never asserts
+
+Every arm runs the same scan body; per arm we report the steady-state time
+per step (median of repeats), its first-call (trace + compile + run) time,
+and ratios against the bare program and the raw ``jax.debug.callback`` floor
+(the same payload shipped by hand every step). Timing assertions never live
+in the test suite: these machines are noisy, so read the ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxtap as tap  # noqa: E402
+
+
+def body(c, x):
+    return c * 0.999 + jnp.sin(x) * 0.01, None
+
+
+def make_bare(n):
+    def f(c0, xs):
+        return jax.lax.scan(body, c0, xs)[0]
+    return f
+
+
+def make_raw_callback(n, sink):
+    def f(c0, xs):
+        def b(carry, x):
+            i, c = carry
+            c2, _ = body(c, x)
+            jax.debug.callback(sink, i, c2.mean())
+            return (i + 1, c2), None
+        return jax.lax.scan(b, (jnp.int32(0), c0), xs)[0][1]
+    return f
+
+
+def make_nested(n):
+    def f(c0, xs):
+        def outer(c, x):
+            c2, _ = jax.lax.scan(lambda cc, t: body(cc, t * x), c, jnp.arange(10, dtype=jnp.float32))
+            return c2, None
+        return jax.lax.scan(outer, c0, xs[: n // 10])[0]
+    return f
+
+
+def make_while(n):
+    def f(c0, xs):
+        def b(s):
+            i, c = s
+            c2, _ = body(c, xs[i])
+            return i + 1, c2
+        return jax.lax.while_loop(lambda s: s[0] < n, b, (0, c0))[1]
+    return f
+
+
+def timeit(fn, args, repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    jax.effects_barrier()
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        jax.effects_barrier()
+        times.append(time.perf_counter() - t0)
+    return first, statistics.median(times)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--smoke", action="store_true", help="small sizes, few repeats (CI)")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results.json"))
+    a = ap.parse_args(argv)
+    n = a.steps or (500 if a.smoke else 5000)
+    repeats = 3 if a.smoke else 7
+    c0 = jnp.zeros((4,), jnp.float32)
+    xs = jnp.linspace(0.0, 1.0, n, dtype=jnp.float32)[:, None] * jnp.ones((1, 4), jnp.float32)
+    sink = lambda *args: None  # noqa: E731
+    mean = lambda leaves: leaves[0].mean()  # noqa: E731
+    nothing = lambda e: None  # noqa: E731
+
+    arms = {}
+
+    def arm(name, fn, steps=n, events=None):
+        first, t = timeit(fn, (c0, xs), repeats)
+        arms[name] = {"us_per_step": t / steps * 1e6, "first_call_s": first, "events_per_call": events}
+        print(f"  {name:34s} {t / steps * 1e6:9.3f} us/step   first call {first:6.3f} s", flush=True)
+
+    print(f"jax-tap benchmarks: {n} steps, {repeats} repeats, jax {jax.__version__}, {platform.processor() or platform.machine()}")
+    bare = jax.jit(make_bare(n))
+    arm("bare", bare)
+    arm("raw debug.callback (floor)", jax.jit(make_raw_callback(n, sink)))
+    for k in (1, 10, 100):
+        arm(f"verbose sample_every={k}", jax.jit(tap.verbose(make_bare(n), on_step=nothing, select=mean, sample_every=k)))
+    arm("progress idiom select=()", jax.jit(tap.verbose(make_bare(n), on_step=nothing, select=lambda _: ())))
+    arm("primitive tap sin every step", jax.jit(tap.verbose(make_bare(n), taps=[tap.on("sin", select=lambda o: o[0].mean())])))
+    arm("primitive tap sin sample_every=100",
+        jax.jit(tap.verbose(make_bare(n), taps=[tap.on("sin", select=lambda o: o[0].mean())], sample_every=100)))
+    with tap.record(select=mean):
+        arm("with-form select=mean", bare)
+    arm("bare after a with-block", bare)
+    arm("nested scans, bare", jax.jit(make_nested(n)))
+    arm("nested scans, verbose", jax.jit(tap.verbose(make_nested(n), on_step=nothing, select=mean)))
+    arm("while, bare", jax.jit(make_while(n)))
+    arm("while, verbose", jax.jit(tap.verbose(make_while(n), on_step=nothing, select=mean)))
+
+    # repeated wrapping-form calls without an outer jit vs plain f (eager)
+    plain = make_bare(n)
+    first_p, t_plain = timeit(plain, (c0, xs), repeats)
+    # one event per call, so the ratio shows re-tracing/re-compiling, not emission
+    g = tap.verbose(make_bare(n), on_step=nothing, select=lambda _: (), sample_every=n)
+    first_g, t_g = timeit(g, (c0, xs), repeats)
+    first_g0, t_g0 = timeit(tap.verbose(make_bare(n)), (c0, xs), repeats)
+
+    b = arms["bare"]["us_per_step"]
+    floor = arms["raw debug.callback (floor)"]["us_per_step"] - b
+    ratios = {
+        "verbose se=1 overhead / floor overhead": (arms["verbose sample_every=1"]["us_per_step"] - b) / floor,
+        "verbose se=100 overhead per step / floor": (arms["verbose sample_every=100"]["us_per_step"] - b) / floor,
+        "after with-block / bare": arms["bare after a with-block"]["us_per_step"] / b,
+        "repeated verbose call (1 event/call) / plain eager f": t_g / t_plain,
+        "repeated verbose call (no observers) / plain eager f": t_g0 / t_plain,
+    }
+    print("ratios:")
+    for k, v in ratios.items():
+        print(f"  {k:52s} {v:8.3f}")
+    result = {"steps": n, "repeats": repeats, "smoke": a.smoke, "jax": jax.__version__,
+              "machine": {"python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count()},
+              "arms": arms, "ratios": ratios}
+    if not a.smoke:
+        with open(a.out, "w") as fh:
+            json.dump(result, fh, indent=2)
+        print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

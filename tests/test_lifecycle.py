@@ -1,0 +1,764 @@
+"""Adversarial lifecycle tests for the with-form ``with tap.record(...) as rec:``.
+
+Covers: what gets tapped inside a block (every entry point, pre-jitted
+functions, library code), what happens after it (clean programs, no
+callbacks, no events, no alerts), bitwise identity, nesting and non-LIFO
+exits, per-thread isolation, restoration on every exit path (exceptions,
+KeyboardInterrupt, generators, threads, garbage collection,
+``emergency_restore``), flushing on exit, leak-freedom over 1,000 blocks,
+consumer totality, and event equivalence with ``tap.verbose`` /
+``tap.record(f)``.
+
+Known bugs found while writing this file are NOT tested here (tests in this
+file must pass); each has a standalone repro under /tmp/lifecycle_reports/.
+"""
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+import time
+import tracemalloc
+import warnings
+import weakref
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.lax import scan as scan_imported_before  # bound before any block exists
+
+import jaxtap as tap
+from jaxtap import _emit, _record, _seam
+
+SCAN_P = jex.core.primitives.scan_p
+WHILE_P = jex.core.primitives.while_p
+LAX_NAMES = ("scan", "while_loop", "fori_loop", "map", "cond", "switch", "associative_scan")
+
+
+# --------------------------------------------------------------------------- helpers
+def assert_clean():
+    """Every piece of with-form state is back to its resting value."""
+    assert _record.active_contexts() == 0
+    assert _record._REGISTRY.n_active == 0
+    assert _record._REGISTRY.stacks == {}
+    assert "bind" not in SCAN_P.__dict__
+    assert "bind" not in WHILE_P.__dict__
+    assert _seam.thread_token() is None
+    assert tap.original_scan is jax.lax.scan
+    assert tap.original_while_loop is jax.lax.while_loop
+
+
+@pytest.fixture(autouse=True)
+def _isolation():
+    tap.emergency_restore()
+    assert_clean()
+    yield
+    try:
+        assert_clean()
+    finally:
+        tap.emergency_restore()
+
+
+def has_callback(lowered_text: str) -> bool:
+    return "callback" in lowered_text or "custom_call" in lowered_text
+
+
+def bitwise_equal(a, b) -> bool:
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    if len(la) != len(lb):
+        return False
+    for x, y in zip(la, lb):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        if x.tobytes() != y.tobytes():
+            return False
+    return True
+
+
+def canon(events):
+    """(path, step, total, value) with values made comparable."""
+    out = []
+    for e in events:
+        v = jax.tree_util.tree_map(lambda a: np.asarray(a).tolist() if hasattr(a, "dtype") else a, e.value)
+        out.append((e.path, e.step, e.total, repr(v)))
+    return out
+
+
+@pytest.fixture
+def host_calls(monkeypatch):
+    """Count every invocation of a jax-tap host callback (routed or not).
+
+    Wraps ``_emit.make_host_fn`` so that programs traced while the fixture is
+    active report each time their host half actually runs.
+    """
+    calls = []
+    real = _emit.make_host_fn
+
+    def spy(*args, **kwargs):
+        host = real(*args, **kwargs)
+
+        def counted(*a):
+            calls.append(time.monotonic())
+            return host(*a)
+
+        return counted
+
+    monkeypatch.setattr(_emit, "make_host_fn", spy)
+    return calls
+
+
+def scan_fn(x0, xs):
+    def body(c, x):
+        return c * 1.01 + jnp.sin(x), c
+    return jax.lax.scan(body, x0, xs)
+
+
+X0 = jnp.float32(0.25)
+XS = jnp.linspace(0.0, 1.0, 10, dtype=jnp.float32)
+
+
+# --------------------------------------------------------------- inside the block
+def test_every_entry_point_is_tapped():
+    jitted_before = jax.jit(scan_fn)
+    jitted_before(X0, XS)  # compiled and cached before the block
+
+    def via_imported(x):
+        return scan_imported_before(lambda c, _: (c + 1.0, None), x, None, length=4)[0]
+
+    with tap.record(select=lambda leaves: ()) as rec:
+        scan_fn(X0, XS)                                                   # scan[0]   10 steps
+        via_imported(X0)                                                  # scan[1]    4 steps
+        lax.fori_loop(0, 3, lambda i, c: c + i, jnp.int32(0))             # scan[2]    3 steps
+        jax.jit(lambda n: lax.fori_loop(0, n, lambda i, c: c + i, n))(jnp.int32(5))  # while[0] 5 steps
+        lax.map(jnp.sin, jnp.arange(6.0))                                 # scan[3]    6 steps
+        lax.while_loop(lambda c: c < 7, lambda c: c + 1, jnp.int32(0))    # while[1]   7 steps
+        jitted_before(X0, XS)                                             # scan[0]  (same site) 10 steps
+    by_path = {}
+    for e in rec.events:
+        by_path.setdefault(e.path, []).append((e.step, e.total))
+    assert sorted(by_path) == ["scan[0]", "scan[1]", "scan[2]", "scan[3]", "while[0]", "while[1]"]
+    assert by_path["scan[0]"] == [(s, 10) for s in range(10)] * 2
+    assert by_path["scan[1]"] == [(s, 4) for s in range(4)]
+    assert by_path["scan[2]"] == [(s, 3) for s in range(3)]
+    assert by_path["scan[3]"] == [(s, 6) for s in range(6)]
+    assert by_path["while[0]"] == [(s, None) for s in range(5)]
+    assert by_path["while[1]"] == [(s, None) for s in range(7)]
+    assert all(e.value == () for e in rec.events)
+
+
+def test_nested_loops_and_jitted_helper_inside_body():
+    @jax.jit
+    def helper(x):
+        return lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 1.5), (0, x))[1]
+
+    def f(x):
+        def body(c, _):
+            c = lax.fori_loop(0, 2, lambda i, c: c + 1.0, c)
+            return helper(c), None
+        return lax.scan(body, x, None, length=4)[0]
+
+    with tap.record(select=lambda leaves: ()) as rec:
+        jax.jit(f)(X0)
+    counts = {}
+    for e in rec.events:
+        counts[e.path] = counts.get(e.path, 0) + 1
+    assert counts == {"scan[0]": 4, "scan[0]/scan[0]": 8, "scan[0]/jit[0]/while[0]": 12}
+
+
+def test_library_code_optax_loop_is_tapped_and_bitwise():
+    optax = pytest.importorskip("optax")
+    opt = optax.adam(1e-2)
+
+    def loss(p):
+        return jnp.sum((p - 3.0) ** 2)
+
+    @jax.jit
+    def train(p):
+        def step(carry, _):
+            p, s = carry
+            u, s = opt.update(jax.grad(loss)(p), s, p)
+            return (optax.apply_updates(p, u), s), loss(p)
+        return lax.scan(step, (p, opt.init(p)), None, length=12)
+
+    p0 = jnp.zeros(3)
+    ref = train(p0)
+    with tap.record(select=lambda leaves: leaves[0].sum()) as rec:
+        out = train(p0)
+    after = train(p0)
+    assert [(e.path, e.step, e.total) for e in rec.events] == [("scan[0]", s, 12) for s in range(12)]
+    assert bitwise_equal(ref, out) and bitwise_equal(ref, after)
+    # the telemetry is the real carry: step 11's carry is the final params
+    assert float(rec.events[-1].value) == pytest.approx(float(out[0][0].sum()), rel=0, abs=0)
+
+
+def test_optax_lbfgs_linesearch_while_loops_tapped():
+    optax = pytest.importorskip("optax")
+    solver = optax.lbfgs()
+
+    def loss(p):
+        return jnp.sum((p - 3.0) ** 2) + jnp.sum(jnp.sin(p))
+
+    def run(p):
+        vg = optax.value_and_grad_from_state(loss)
+
+        def step(carry, _):
+            p, s = carry
+            v, g = vg(p, state=s)
+            u, s = solver.update(g, s, p, value=v, grad=g, value_fn=loss)
+            return (optax.apply_updates(p, u), s), v
+        return lax.scan(step, (p, solver.init(p)), None, length=4)
+
+    p0 = jnp.zeros(3)
+    ref = jax.jit(run)(p0)
+    with tap.record(select=lambda leaves: ()) as rec:
+        out = jax.jit(run)(p0)
+    paths = {e.path for e in rec.events}
+    assert "scan[0]" in paths
+    assert any(p.startswith("scan[0]/while[") for p in paths)  # the zoom linesearch
+    assert bitwise_equal(ref, out)
+
+
+# ------------------------------------------------------------- after the block
+def test_prejitted_function_retraces_inside_and_is_clean_after(host_calls):
+    jf = jax.jit(scan_fn)
+    before = jf(X0, XS)
+    assert not has_callback(jf.lower(X0, XS).as_text())
+
+    with tap.record() as rec:
+        inside = jf(X0, XS)
+        assert has_callback(jf.lower(X0, XS).as_text())
+    n_events, n_calls = len(rec), len(host_calls)
+    assert n_events == 10 and n_calls == 10
+
+    after = jf(X0, XS)
+    jax.block_until_ready(after)
+    jax.effects_barrier()
+    assert not has_callback(jf.lower(X0, XS).as_text())
+    assert len(host_calls) == n_calls  # the compiled clean program ran: no host callback at all
+    assert len(rec) == n_events
+    assert bitwise_equal(before, inside) and bitwise_equal(before, after)
+
+
+def test_no_alerts_or_events_after_exit_even_from_a_tapped_executable(capfd, host_calls):
+    jf = jax.jit(scan_fn)
+    with tap.record(alert=lambda e: "tripped", select=lambda leaves: leaves[0]) as rec:
+        jf(X0, XS)
+        compiled = jf.lower(X0, XS).compile()  # an AOT artifact with the tap baked in
+    err_inside = capfd.readouterr().err
+    assert err_inside.count("[tap] FAIL scan[0]") == 10
+    n = len(rec)
+
+    for _ in range(2):
+        jax.block_until_ready(compiled(X0, XS))  # callbacks run ...
+        jax.block_until_ready(jf(X0, XS))
+    jax.effects_barrier()
+    assert len(host_calls) > 10  # ... the baked artifact really did call back
+    assert len(rec) == n  # ... yet nothing is delivered after exit
+    assert "[tap] FAIL" not in capfd.readouterr().err
+
+
+def test_bitwise_identity_across_transforms():
+    def nested(x):
+        def body(c, _):
+            c = lax.fori_loop(0, 3, lambda i, c: jnp.sin(c) + 0.1 * i, c)
+            return c * 1.1, c
+        return lax.scan(body, x, None, length=5)
+
+    def grad_f(x):
+        return jax.grad(lambda x: lax.scan(lambda c, _: (jnp.sin(c) * 1.3, None), x, None, length=4)[0])(x)
+
+    def vmap_while(x):
+        return jax.vmap(lambda y: lax.while_loop(lambda c: c < 5.0, lambda c: c * 1.7 + 0.1, y))(x + jnp.arange(3.0))
+
+    def remat_grad(x):
+        body = jax.checkpoint(lambda c, _: (jnp.cos(c) * 1.2, None))
+        return jax.grad(lambda x: lax.scan(body, x, None, length=4)[0])(x)
+
+    x = jnp.float32(0.3)
+    for fn in (nested, grad_f, vmap_while, remat_grad):
+        for F in (fn, jax.jit(fn)):
+            ref = F(x)
+            with tap.record() as rec:
+                out = F(x)
+            post = F(x)
+            assert len(rec) > 0, fn.__name__
+            assert bitwise_equal(ref, out), fn.__name__
+            assert bitwise_equal(ref, post), fn.__name__
+
+
+# ------------------------------------------------------------------- nesting
+def test_innermost_context_receives():
+    jf = jax.jit(scan_fn)
+    with tap.record() as outer:
+        jf(X0, XS)
+        with tap.record(select=lambda leaves: ()) as inner_other_cfg:
+            jf(X0, XS)
+            with tap.record(select=lambda leaves: ()) as inner_same_cfg:
+                jf(X0, XS)
+            jf(X0, XS)
+        jf(X0, XS)
+    assert len(outer) == 20
+    assert len(inner_other_cfg) == 20
+    assert len(inner_same_cfg) == 10
+    assert all(e.value == () for e in inner_same_cfg.events)
+    assert all(isinstance(e.value, tuple) and len(e.value) == 1 for e in outer.events)
+
+
+def test_non_lifo_exit():
+    jf = jax.jit(scan_fn)
+    a, b = tap.record(), tap.record(select=lambda leaves: ())
+    ra = a.__enter__()
+    rb = b.__enter__()
+    jf(X0, XS)
+    a.__exit__(None, None, None)           # exit the OUTER one first
+    assert _record.active_contexts() == 1
+    assert "bind" in SCAN_P.__dict__       # b is still active
+    jf(X0, XS)
+    b.__exit__(None, None, None)
+    assert_clean()
+    assert len(ra) == 0 and len(rb) == 20
+    jf(X0, XS)
+    jax.effects_barrier()
+    assert len(rb) == 20
+
+
+def test_non_lifo_exit_same_config():
+    jf = jax.jit(scan_fn)
+    a, b = tap.record(), tap.record()
+    ra, rb = a.__enter__(), b.__enter__()
+    jf(X0, XS)
+    a.__exit__(None, None, None)
+    jf(X0, XS)
+    b.__exit__(None, None, None)
+    assert len(ra) == 0 and len(rb) == 20
+
+
+def test_reentering_an_active_context_raises():
+    ctx = tap.record()
+    with ctx:
+        with pytest.raises(RuntimeError, match="already active"):
+            ctx.__enter__()
+        assert _record.active_contexts() == 1  # the failed re-entry changed nothing
+        scan_fn(X0, XS)
+    assert len(ctx.recorder) == 10
+    with ctx:  # after exit it may be entered again
+        scan_fn(X0, XS)
+    assert len(ctx.recorder) == 20
+
+
+# ------------------------------------------------------------------- threads
+def test_eight_threads_each_get_exactly_their_own_events():
+    jf = jax.jit(lambda x, d: lax.scan(lambda c, _: (c + d, c), x, None, length=15))
+    n = 8
+    barrier = threading.Barrier(n + 2)
+    results, errors, bystander = {}, [], {}
+
+    def worker(k):
+        try:
+            with tap.record(select=lambda leaves: leaves[0]) as rec:
+                barrier.wait()
+                for _ in range(3):
+                    jf(jnp.float32(1000 * k), jnp.float32(k))
+                lax.while_loop(lambda c: c < 4, lambda c: c + 1, jnp.int32(0))
+            results[k] = (rec.events, _seam.thread_token())
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    def no_context(k):
+        try:
+            barrier.wait()
+            out = jf(jnp.float32(-1.0), jnp.float32(-1.0))
+            bystander[k] = (has_callback(jf.lower(jnp.float32(-1.0), jnp.float32(-1.0)).as_text()),
+                            float(out[0]), _seam.thread_token())
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(n)]
+    threads += [threading.Thread(target=no_context, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert sorted(results) == list(range(n))
+    for k, (events, token_after) in results.items():
+        assert token_after is None
+        scans = [e for e in events if e.path == "scan[0]"]
+        assert len(scans) == 45 and len(events) == 49
+        # the carry starts at 1000k and grows by k per step: a foreign event would show
+        assert sorted({float(e.value) for e in scans}) == [1000 * k + k * (s + 1) for s in range(15)]
+        assert [e.step for e in events if e.path == "while[0]"] == [0, 1, 2, 3]
+    for k, (tapped, value, token) in bystander.items():
+        assert not tapped and token is None
+        assert value == -16.0
+
+
+def test_context_on_another_thread_does_not_tap_this_one(host_calls):
+    jf = jax.jit(scan_fn)
+    entered, release = threading.Event(), threading.Event()
+
+    def holder():
+        with tap.record() as rec:
+            entered.set()
+            release.wait(30)
+        holder.rec = rec
+
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert entered.wait(30)
+        assert "bind" in SCAN_P.__dict__  # interception is process-wide ...
+        out = jf(X0, XS)
+        scan_fn(X0, XS)
+        jax.effects_barrier()
+        assert not has_callback(jf.lower(X0, XS).as_text())  # ... but this thread is untouched
+        assert host_calls == []
+    finally:
+        release.set()
+        t.join(30)
+    assert len(holder.rec) == 0
+    assert bitwise_equal(out, jax.jit(scan_fn)(X0, XS))
+
+
+# ----------------------------------------------------------- restore on exit
+@pytest.mark.parametrize("exc_type", [ValueError, KeyboardInterrupt, SystemExit, GeneratorExit])
+def test_restored_when_block_raises(exc_type):
+    jf = jax.jit(scan_fn)
+    with pytest.raises(exc_type):
+        with tap.record() as rec:
+            jf(X0, XS)  # dispatched asynchronously, then the block dies
+            raise exc_type("boom")
+    assert_clean()
+    assert len(rec) == 10  # flushed despite the exception
+    assert not has_callback(jf.lower(X0, XS).as_text())
+
+
+def test_restored_after_failing_select_and_function_usable():
+    jf = jax.jit(scan_fn)
+    with pytest.raises(tap.TapSelectError):
+        with tap.record(select=lambda leaves: leaves[7]):
+            jf(X0, XS)
+    assert_clean()
+    assert bitwise_equal(jf(X0, XS), scan_fn(X0, XS))
+    assert not has_callback(jf.lower(X0, XS).as_text())
+
+
+def test_generators():
+    def gen():
+        with tap.record() as rec:
+            yield rec
+            scan_fn(X0, XS)
+            yield rec
+
+    # exhausted
+    g = gen()
+    rec = next(g)
+    assert _record.active_contexts() == 1
+    next(g)
+    with pytest.raises(StopIteration):
+        next(g)
+    assert_clean()
+    assert len(rec) == 10
+
+    # closed early
+    g = gen()
+    rec = next(g)
+    g.close()
+    assert_clean()
+
+    # abandoned and collected
+    g = gen()
+    rec = next(g)
+    del g
+    gc.collect()
+    assert_clean()
+    assert len(rec) == 0
+
+    # exception thrown in
+    g = gen()
+    next(g)
+    with pytest.raises(KeyError):
+        g.throw(KeyError("x"))
+    assert_clean()
+
+
+def test_thread_restores_its_own_state():
+    seen = {}
+
+    def run():
+        with tap.record() as rec:
+            seen["inside"] = (_seam.thread_token() is not None, _record.active_contexts())
+            scan_fn(X0, XS)
+        seen["after"] = (_seam.thread_token(), _record.active_contexts(), "bind" in SCAN_P.__dict__)
+        seen["n"] = len(rec)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(30)
+    assert seen["inside"] == (True, 1)
+    assert seen["after"] == (None, 0, False)
+    assert seen["n"] == 10
+
+
+def test_emergency_restore_resets_everything():
+    jf = jax.jit(scan_fn)
+    ctx_a, ctx_b = tap.record(), tap.record(select=lambda leaves: ())
+    ctx_a.__enter__()
+    ctx_b.__enter__()
+    jf(X0, XS)
+    tap.emergency_restore()
+    assert_clean()
+    assert _record._REGISTRY.tokens == {}
+    assert not has_callback(jf.lower(X0, XS).as_text())
+    # a stale exit afterwards is harmless
+    ctx_b.__exit__(None, None, None)
+    ctx_a.__exit__(None, None, None)
+    assert_clean()
+    # and the library works again
+    with tap.record() as rec:
+        jf(X0, XS)
+    assert len(rec) == 10
+
+
+def test_no_lax_name_is_ever_patched():
+    import jax.lax as lax_mod
+
+    before = {n: getattr(lax_mod, n) for n in LAX_NAMES}
+    with tap.record():
+        assert tap.original_scan is jax.lax.scan is scan_imported_before
+        inside = {n: getattr(lax_mod, n) for n in LAX_NAMES}
+        assert "bind" in SCAN_P.__dict__ and "bind" in WHILE_P.__dict__
+        with tap.record(select=lambda leaves: ()):
+            assert jax.lax.scan is before["scan"]
+    after = {n: getattr(lax_mod, n) for n in LAX_NAMES}
+    assert all(before[n] is inside[n] is after[n] for n in LAX_NAMES)
+    assert "bind" not in SCAN_P.__dict__ and "bind" not in WHILE_P.__dict__
+
+
+# --------------------------------------------------------------- flushing
+def test_every_event_delivered_by_exit_async_dispatch():
+    slow_seen = []
+
+    def slow(e):
+        time.sleep(0.01)
+        slow_seen.append(e.step)
+
+    long_loop = jax.jit(lambda x: lax.scan(lambda c, _: (c + 1.0, None), x, None, length=40)[0])
+    with tap.record(on_step=slow) as rec:
+        out = long_loop(X0)  # returns before the host callbacks are done
+        long_loop(X0 + 1)
+    # no block_until_ready / effects_barrier by the test
+    assert len(rec) == 80
+    assert sorted(slow_seen) == sorted(list(range(40)) * 2)
+    assert float(out) == 40.25
+
+
+# ---------------------------------------------------------------- GC / leaks
+def test_context_collected_without_exit_releases_interception():
+    jf = jax.jit(scan_fn)
+    ctx = tap.record()
+    rec = ctx.__enter__()
+    jf(X0, XS)
+    assert "bind" in SCAN_P.__dict__
+    del ctx
+    gc.collect()
+    assert_clean()
+    assert not has_callback(jf.lower(X0, XS).as_text())
+    assert len(rec) == 10
+
+    # a context kept alive only by a reference cycle, collected on this thread
+    ctx = tap.record()
+    ctx.cycle = ctx
+    ctx.__enter__()
+    jf(X0, XS)
+    del ctx
+    gc.collect()
+    assert_clean()
+
+
+def test_entered_contexts_are_not_kept_alive_by_the_registry():
+    ctx = tap.record()
+    with ctx:
+        scan_fn(X0, XS)
+    ref = weakref.ref(ctx)
+    del ctx
+    gc.collect()
+    assert ref() is None
+
+
+def test_thousand_blocks_do_not_leak():
+    jf = jax.jit(scan_fn)
+
+    def block():
+        with tap.record(select=lambda leaves: leaves[0], on_step=lambda e: None) as rec:
+            jf(X0, XS)
+        return len(rec)
+
+    for _ in range(50):
+        block()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        counts = {block() for _ in range(1000)}
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    assert counts == {10}
+    assert len(_record._REGISTRY.tokens) == 1
+    assert _record._REGISTRY.stacks == {} and _record._REGISTRY.n_active == 0
+    assert grown < 1_000_000, f"{grown} bytes retained over 1000 blocks"
+
+
+# ------------------------------------------------------------ consumer totality
+def test_raising_consumers_never_crash_and_warn_once():
+    jf = jax.jit(scan_fn)
+    ref = jf(X0, XS)
+
+    def bad_on_step(e):
+        raise ZeroDivisionError("on_step")
+
+    def bad_alert(e):
+        raise IndexError("alert")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tap.record(on_step=bad_on_step, alert=bad_alert) as rec:
+            out = jf(X0, XS)
+            out2 = jf(X0, XS)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, tap.TapWarning)]
+    assert len([m for m in msgs if "on_step" in m]) == 1
+    assert len([m for m in msgs if "alert" in m and "on_step" not in m]) == 1
+    assert len(rec) == 20  # the recorder still got everything
+    assert bitwise_equal(ref, out) and bitwise_equal(ref, out2)
+
+
+def test_raising_consumer_under_warnings_as_errors(capfd):
+    jf = jax.jit(scan_fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with tap.record(on_step=lambda e: 1 / 0) as rec:
+            out = jf(X0, XS)
+    assert len(rec) == 10
+    assert bitwise_equal(out, scan_fn(X0, XS))
+    err = capfd.readouterr().err
+    assert err.count("[tap] warning") == 1 and "ZeroDivisionError" in err
+
+
+# ------------------------------------------------------------ event equivalence
+def _f_jit_helper_in_body(x):
+    @jax.jit
+    def helper(x):
+        return lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 1.5), (0, x))[1]
+    return lax.scan(lambda c, _: (helper(c), c), x, None, length=4)
+
+
+def _f_nested(x):
+    def body(c, _):
+        c = lax.fori_loop(0, 3, lambda i, c: c + i, c)
+        return c * 1.1, None
+    return lax.scan(body, x, None, length=3)
+
+
+def _f_two_top(x):
+    a = lax.scan(lambda c, _: (c + 1.0, None), x, None, length=2)[0]
+    b = lax.while_loop(lambda c: c < 10.0, lambda c: c * 2.0, a + 1.0)
+    m = lax.map(jnp.cos, jnp.arange(3.0) + b)
+    return a, b, m
+
+
+def _f_grad(x):
+    return jax.grad(lambda x: lax.scan(lambda c, _: (jnp.sin(c) * 1.3, None), x, None, length=3)[0])(x)
+
+
+def _f_remat_grad(x):
+    body = jax.checkpoint(lambda c, _: (jnp.sin(c) * 1.3, None))
+    return jax.grad(lambda x: lax.scan(body, x, None, length=3)[0])(x)
+
+
+def _f_cond_with_loop(x):
+    return lax.cond(x > 0, lambda y: lax.fori_loop(0, jnp.int32(4), lambda i, c: c + 1.0, y), lambda y: y, x)
+
+
+def _f_traced_bounds(x):
+    return lax.fori_loop(0, jnp.int32(6), lambda i, c: c * 1.1, x)
+
+
+EQUIV_FNS = [_f_jit_helper_in_body, _f_nested, _f_two_top, _f_grad, _f_remat_grad, _f_cond_with_loop,
+             _f_traced_bounds]
+EQUIV_CFGS = {
+    "default": dict(),
+    "select_dict": dict(select=lambda leaves: {"first": leaves[-1], "n": len(leaves)}),
+    "select_path": dict(select=lambda leaves, *, path: {"node": path}),
+    "sample_every_2": dict(sample_every=2),
+    "max_depth_0": dict(max_depth=0),
+    "where_nested": dict(where=lambda p: "/" in p or p.startswith("while")),
+    "scan_only": dict(ops=("scan",)),
+}
+
+
+@pytest.mark.parametrize("cfg_name", list(EQUIV_CFGS))
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_with_form_matches_verbose_and_record(cfg_name, jit):
+    cfg = EQUIV_CFGS[cfg_name]
+    x = jnp.float32(0.5)
+    for fn in EQUIV_FNS:
+        tap.emergency_restore()  # isolate from earlier blocks with the same config (see report: where/history)
+        F = jax.jit(fn) if jit else fn
+        with tap.record(**cfg) as rec:
+            F(x)
+        with_form = canon(rec.events)
+
+        seen = []
+        g = tap.verbose(fn, on_step=seen.append, **cfg)
+        jax.block_until_ready((jax.jit(g) if jit else g)(x))
+        jax.effects_barrier()
+
+        h, rec2 = tap.record(fn, **cfg)
+        jax.block_until_ready((jax.jit(h) if jit else h)(x))
+        jax.effects_barrier()
+
+        assert with_form, (fn.__name__, cfg_name)
+        assert with_form == canon(seen), (fn.__name__, cfg_name)
+        assert with_form == canon(rec2.events), (fn.__name__, cfg_name)
+
+
+# ------------------------------------------------------------------- BlackJAX
+def _nuts_warmup(num_steps):
+    blackjax = pytest.importorskip("blackjax")
+
+    def logdensity(x):
+        return -0.5 * jnp.sum(x ** 2) - 0.1 * jnp.sum(x ** 4)
+
+    return blackjax.window_adaptation(blackjax.nuts, logdensity).run(
+        jax.random.key(0), jnp.ones(2), num_steps=num_steps
+    )
+
+
+def test_blackjax_progress_config_receives_every_step():
+    pytest.importorskip("blackjax")
+    ref = _nuts_warmup(50)
+    steps = []
+    with tap.record(on_step=steps.append, select=lambda _: (), ops=("scan",), max_depth=0):
+        out = _nuts_warmup(50)
+    assert [e.step for e in steps] == list(range(50))
+    assert {e.total for e in steps} == {50}
+    assert all(e.value == () and "/" not in e.path for e in steps)
+    assert bitwise_equal(ref, out)
+
+
+def test_blackjax_progress_bar_context():
+    blackjax = pytest.importorskip("blackjax")
+    pytest.importorskip("tqdm")
+    with blackjax.progress_bar() as state:
+        (st, params), _ = _nuts_warmup(50)
+        jax.block_until_ready(st)
+        jax.effects_barrier()
+        assert _record.active_contexts() == 1
+    assert state.n_steps == 50
+    assert state.current_step == 49

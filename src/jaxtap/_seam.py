@@ -243,6 +243,16 @@ def with_jvp_rule(primal_fn, differentiable_fn, args):
     return f(*args)
 
 
+def any_lane(pred):
+    return jax.lax.reduce_or(pred, tuple(range(pred.ndim)))
+
+
+def select_lanes(pred, new, old):
+    """Per-lane select with a leading-dims predicate (a batched while's)."""
+    mask = jax.lax.broadcast_in_dim(pred, np.shape(new), tuple(range(pred.ndim)))
+    return jax.lax.select(mask, new, old)
+
+
 def optimization_barrier(x):
     return jax.lax.optimization_barrier(x)
 

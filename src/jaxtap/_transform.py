@@ -338,12 +338,24 @@ def handle_while(walker, eqn, params, invals, scope, site):
         return _bind(eqn, _seam.while_p, invals, params)
     cconsts, bconsts, init = invals[:cnc], invals[cnc:cnc + bnc], invals[cnc + bnc:]
 
-    def user_cond(carry):
+    def lane_pred(carry):
         return _seam.eval_jaxpr(cond.jaxpr, cond.consts, *cconsts, *carry)[0]
+
+    # A while loop that vmap batched keeps a per-lane predicate: it runs while
+    # any lane is alive and finished lanes keep their carry (as its lowering does).
+    batched = bool(cond.out_avals[0].shape)
+
+    def user_cond(carry):
+        pred = lane_pred(carry)
+        return _seam.any_lane(pred) if batched else pred
 
     def user_body(step, carry):
         child = scope.child(path, Counter(), step, None, top)
-        return interpret(walker, body.jaxpr, body.consts, list(bconsts) + list(carry), child)
+        outs = interpret(walker, body.jaxpr, body.consts, list(bconsts) + list(carry), child)
+        if batched:
+            pred = lane_pred(carry)
+            outs = [_seam.select_lanes(pred, new, old) for new, old in zip(outs, carry)]
+        return outs
 
     if not emits:
         # Nothing to emit here: only thread the step through for the inner taps.

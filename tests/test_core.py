@@ -1,0 +1,386 @@
+"""The core transform and the wrapping form: options, addressing, caching,
+bad input, totality and the things the walker must leave alone."""
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxtap as tap
+
+from conftest import assert_bits, run_python, sync
+
+
+def scan_while(x0, xs):
+    def inner(s):
+        return s[0] + 1, s[1] * 1.25 + 1.0
+
+    def body(c, x):
+        _, v = jax.lax.while_loop(lambda s: s[0] < 3, inner, (jnp.int32(0), c + x))
+        return v * 0.5, v
+
+    return jax.lax.scan(body, x0, xs)
+
+
+ARGS = (jnp.float32(0.5), jnp.linspace(0.0, 1.0, 4, dtype=jnp.float32))
+
+
+def events_of(f, *args, **kw):
+    seen = []
+    out = sync(tap.verbose(f, on_step=seen.append, **kw)(*args))
+    return seen, out
+
+
+# ------------------------------------------------------------------ basics
+def test_wrapper_keeps_name_and_docstring():
+    def my_function(x):
+        """Docs."""
+        return x
+
+    g = tap.verbose(my_function, on_step=print)
+    assert g.__name__ == "my_function"
+    assert g.__doc__ == "Docs."
+
+
+def test_event_is_frozen_and_step_is_python_int():
+    seen, _ = events_of(scan_while, *ARGS)
+    e = seen[0]
+    assert type(e.step) is int
+    with pytest.raises(Exception):
+        e.step = 3
+    assert {x.kind for x in seen} == {"carry"}
+    assert {x.total for x in seen if x.path == "scan[0]"} == {4}
+    assert {x.total for x in seen if x.path == "scan[0]/while[0]"} == {None}
+
+
+def test_event_values_are_host_numpy_copies():
+    seen, _ = events_of(scan_while, *ARGS, select=lambda leaves: {"v": leaves[0], "vec": jnp.stack([leaves[0]] * 3)})
+    for e in seen:
+        assert isinstance(e.value["v"], np.generic)
+        assert isinstance(e.value["vec"], np.ndarray) and e.value["vec"].flags.owndata
+
+
+def test_nothing_to_observe_means_no_callback_at_all():
+    text = str(jax.make_jaxpr(tap.verbose(scan_while))(*ARGS))
+    assert "callback" not in text
+    assert "callback" in str(jax.make_jaxpr(tap.verbose(scan_while, on_step=print))(*ARGS))
+
+
+def test_keyword_and_static_python_arguments_work_as_for_f():
+    def f(x, n, *, mode="add", fn=jnp.sin, extra=None, scale=2.0):
+        def body(c, _):
+            c = c + fn(c) if mode == "add" else c * fn(c)
+            return c * scale if extra is None else c, None
+        return jax.lax.scan(body, x, None, length=n)[0]
+
+    seen = []
+    g = tap.verbose(f, on_step=seen.append)
+    for kwargs in ({}, {"mode": "mul", "fn": jnp.cos}, {"extra": "x", "scale": 0.5}):
+        assert_bits(g(jnp.float32(0.3), 3, **kwargs), f(jnp.float32(0.3), 3, **kwargs))
+        assert_bits(g(jnp.float32(0.3), n=5, **kwargs), f(jnp.float32(0.3), n=5, **kwargs))
+    sync()
+    assert len(seen) == 3 * (3 + 5)
+
+
+def test_repeated_calls_trace_once_per_signature():
+    traces = []
+
+    def f(x0, xs):
+        traces.append(1)
+        return scan_while(x0, xs)
+
+    g = tap.verbose(f, on_step=lambda e: None)
+    for _ in range(5):
+        sync(g(*ARGS))
+    assert len(traces) == 1
+    sync(g(jnp.zeros(2), jnp.ones((4, 2))))
+    assert len(traces) == 2
+    sync(g(*ARGS))
+    assert len(traces) == 2
+
+
+def test_verbose_method_binding():
+    class Model:
+        def __init__(self):
+            self.scale = 3.0
+
+        @functools.partial(tap.verbose, on_step=lambda e: None)
+        def run(self, x):
+            return jax.lax.scan(lambda c, _: (c * self.scale, None), x, None, length=2)[0]
+
+    assert float(Model().run(jnp.float32(1.0))) == 9.0
+
+
+# -------------------------------------------------------------- volume knobs
+def test_ops_choose_loop_kinds_but_the_walk_descends_into_all():
+    only_while, _ = events_of(scan_while, *ARGS, ops=("while_loop",))
+    assert {e.path for e in only_while} == {"scan[0]/while[0]"}
+    only_scan, _ = events_of(scan_while, *ARGS, ops=("scan",))
+    assert {e.path for e in only_scan} == {"scan[0]"}
+    fori = lambda x: jax.lax.fori_loop(0, 5, lambda i, c: c + i, x)  # noqa: E731
+    seen, _ = events_of(fori, jnp.float32(0.0))
+    assert [e.step for e in seen] == [0, 1, 2, 3, 4]
+    mapped = lambda xs: jax.lax.map(jnp.sin, xs)  # noqa: E731
+    seen, _ = events_of(mapped, jnp.ones(3))
+    assert [e.path for e in seen] == ["scan[0]"] * 3
+
+
+def test_max_depth_zero_keeps_only_outermost_loops():
+    seen, _ = events_of(scan_while, *ARGS, max_depth=0)
+    assert {e.path for e in seen} == {"scan[0]"}
+
+
+def test_unsampled_steps_do_not_run_select():
+    calls = []
+
+    def select(leaves):
+        jax.debug.callback(lambda: calls.append(1))
+        return leaves[0]
+
+    def f(x):
+        return jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=30)
+
+    seen, _ = events_of(f, jnp.float32(0.0), select=select, sample_every=10)
+    assert [e.step for e in seen] == [0, 10, 20]
+    assert len(calls) == 3
+
+
+def test_sample_every_on_a_while_loop_with_a_short_final_chunk():
+    def f(x):
+        return jax.lax.while_loop(lambda s: s[0] < 23, lambda s: (s[0] + 1, s[1] * 1.01), (0, x))
+
+    seen, out = events_of(f, jnp.float32(1.0), sample_every=5, select=lambda leaves: leaves[0])
+    assert [e.step for e in seen] == [0, 5, 10, 15, 20]
+    assert [int(e.value) for e in seen] == [1, 6, 11, 16, 21]
+    assert_bits(out, f(jnp.float32(1.0)))
+
+
+def test_reverse_scan_steps_count_execution_order():
+    def f(xs):
+        return jax.lax.scan(lambda c, x: (c * 10 + x, c), jnp.int32(0), xs, reverse=True)
+
+    seen, out = events_of(f, jnp.arange(1, 4, dtype=jnp.int32), select=lambda leaves: leaves[0])
+    assert [(e.step, int(e.value)) for e in seen] == [(0, 3), (1, 32), (2, 321)]
+    assert_bits(out, f(jnp.arange(1, 4, dtype=jnp.int32)))
+
+
+# ------------------------------------------------------------------ addresses
+def test_addresses_ignore_what_precedes_the_loop_and_an_outer_jit():
+    helper = jax.jit(lambda x: jnp.cos(x) * 2.0)
+
+    def f(x0, xs):
+        y = helper(x0) + jnp.sum(xs)
+        z = jax.lax.scan(lambda c, x: (c + x, None), y, xs)[0]
+        return scan_while(z, xs)
+
+    plain, _ = events_of(f, *ARGS)
+    jitted, _ = events_of(jax.jit(f), *ARGS)
+    under = []
+    sync(jax.jit(tap.verbose(f, on_step=under.append))(*ARGS))
+    with tap.record() as rec:
+        sync(jax.jit(f)(*ARGS))
+    paths = lambda es: sorted({e.path for e in es})  # noqa: E731
+    assert paths(plain) == ["scan[0]", "scan[1]", "scan[1]/while[0]"]
+    assert paths(plain) == paths(jitted) == paths(under) == paths(rec.events)
+
+
+def test_loops_in_cond_branches_checkpoint_and_jit_are_found():
+    @jax.checkpoint
+    def ck(c):
+        return jax.lax.fori_loop(0, 2, lambda i, v: v * 1.5, c)
+
+    inner_jit = jax.jit(lambda c: jax.lax.while_loop(lambda s: s[0] < 2, lambda s: (s[0] + 1, s[1] + 1.0), (0, c))[1])
+
+    def f(x0, xs):
+        def body(c, x):
+            c = jax.lax.cond(x > 0.5, lambda u: jax.lax.fori_loop(0, 3, lambda i, v: v + i, u), lambda u: u, c)
+            return inner_jit(ck(c)), None
+        return jax.lax.scan(body, x0, xs)
+
+    seen, out = events_of(f, *ARGS)
+    assert_bits(out, f(*ARGS))
+    paths = {e.path for e in seen}
+    assert "scan[0]/jit[0]/while[0]" in paths
+    assert {"scan[0]", "scan[0]/scan[0]", "scan[0]/scan[1]"} <= paths
+
+
+def test_path_aware_select_signatures():
+    def two_with_default(leaves, other=5):
+        return leaves[0] * other
+
+    def two_other_name(leaves, where_am_i):
+        return {"p": where_am_i}
+
+    seen, _ = events_of(scan_while, *ARGS, select=two_with_default, max_depth=0)
+    assert len(seen) == 4 and np.shape(seen[0].value) == ()
+    seen, _ = events_of(scan_while, *ARGS, select=two_other_name, max_depth=0)
+    assert {e.value["p"] for e in seen} == {"scan[0]"}
+    seen, _ = events_of(scan_while, *ARGS, select=lambda leaves, path=None: {"p": path})
+    assert {e.value["p"] for e in seen} == {"scan[0]", "scan[0]/while[0]"}
+
+
+# --------------------------------------------------------------- inner jits
+def test_inner_jit_parameters_are_preserved():
+    inner = jax.jit(lambda c, d: (c * 2.0 + d, d), donate_argnums=(1,), keep_unused=True, inline=False)
+
+    def f(x0, xs):
+        return jax.lax.scan(lambda c, x: (inner(c, x)[0], None), x0, xs)[0]
+
+    jaxpr = jax.make_jaxpr(tap.verbose(f, on_step=print))(*ARGS)
+
+    def find(j):
+        for e in j.eqns:
+            if e.primitive.name == "jit" and e.params["name"] == "<lambda>":
+                return e
+            for v in e.params.values():
+                sub = getattr(v, "jaxpr", None)
+                if sub is not None and hasattr(sub, "eqns"):
+                    hit = find(sub)
+                    if hit is not None:
+                        return hit
+        return None
+
+    eqn = find(jaxpr.jaxpr)
+    assert eqn is not None
+    assert eqn.params["keep_unused"] is True
+    assert eqn.params["inline"] is False
+    assert eqn.params["donated_invars"][:2] == (False, True)
+
+
+def test_opaque_primitives_are_bound_unchanged():
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
+
+    def f(x):
+        g = jax.shard_map(lambda v: jax.lax.scan(lambda c, _: (c * 1.5, None), v, None, length=3)[0],
+                          mesh=mesh, in_specs=P(), out_specs=P())
+        return jax.lax.scan(lambda c, _: (g(c) + 1.0, None), x, None, length=2)[0]
+
+    seen, out = events_of(f, jnp.float32(1.0))
+    assert_bits(out, f(jnp.float32(1.0)))
+    assert {e.path for e in seen} == {"scan[0]"}
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        ({"sample_every": 0}, ValueError, "sample_every"),
+        ({"sample_every": 2.5}, ValueError, "positive int"),
+        ({"sample_every": True}, ValueError, "sample_every"),
+        ({"ops": ("scan", "whle_loop")}, ValueError, "while_loop"),
+        ({"ops": 3}, TypeError, "ops"),
+        ({"max_depth": -1}, ValueError, "max_depth"),
+        ({"on_step": 3}, TypeError, "on_step"),
+        ({"where": "scan[0]"}, TypeError, "where"),
+        ({"select": [0]}, TypeError, "select"),
+        ({"alert": "x"}, TypeError, "alert"),
+        ({"taps": ["sin"]}, TypeError, "tap.on"),
+    ],
+)
+def test_bad_input_is_rejected_before_anything_runs(kwargs, exc, words):
+    ran = []
+
+    def f(x):
+        ran.append(1)
+        return x
+
+    with pytest.raises(exc, match=words):
+        tap.verbose(f, **kwargs)
+    with pytest.raises(exc, match=words):
+        tap.record(**kwargs)
+    assert ran == []
+
+
+def test_non_callable_f_is_rejected():
+    with pytest.raises(TypeError, match="function"):
+        tap.verbose(3)
+
+
+def test_failing_select_says_it_was_the_select_with_shapes():
+    g = tap.verbose(scan_while, on_step=print, select=lambda leaves: leaves[5])
+    with pytest.raises(tap.TapSelectError) as info:
+        g(*ARGS)
+    text = str(info.value)
+    assert "select" in text and "scan[0]" in text and "float32[]" in text
+    assert "IndexError" in text
+    assert info.value.__cause__ is None
+
+
+# ------------------------------------------------------------------ totality
+class Unrebuildable:
+    def __init__(self, v):
+        self.v = v
+
+
+jax.tree_util.register_pytree_node(
+    Unrebuildable, lambda u: ((u.v,), None), lambda aux, ch: (_ for _ in ()).throw(RuntimeError("no"))
+)
+
+
+def test_select_result_the_host_cannot_rebuild_warns_once_and_changes_nothing():
+    expected = scan_while(*ARGS)
+    seen = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = sync(tap.verbose(scan_while, on_step=seen.append, select=lambda leaves: Unrebuildable(leaves[0]))(*ARGS))
+    assert_bits(out, expected)
+    assert seen == []
+    assert len([w for w in caught if issubclass(w.category, tap.TapWarning)]) == 1
+
+
+def test_alert_whose_result_cannot_be_tested_for_truth():
+    expected = scan_while(*ARGS)
+    seen = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = sync(tap.verbose(scan_while, on_step=seen.append, alert=lambda e: np.array([1, 2]))(*ARGS))
+    assert_bits(out, expected)
+    assert len(seen) == 4 + 12
+    assert len([w for w in caught if issubclass(w.category, tap.TapWarning)]) == 1
+
+
+def test_totality_under_W_error_with_closed_stderr():
+    proc = run_python(
+        """
+        import sys, jax, jax.numpy as jnp, numpy as np
+        import jaxtap as tap
+        def f(x):
+            return jax.lax.scan(lambda c, _: (c + 1.0, c), x, None, length=5)
+        expected = f(jnp.float32(0.0))
+        class Bad:
+            pass
+        def boom(e):
+            raise RuntimeError("x")
+        out = tap.verbose(f, on_step=boom, alert=lambda e: "fires", select=lambda l: l[0])(jnp.float32(0.0))
+        jax.block_until_ready(out); jax.effects_barrier()
+        sys.stderr.close()
+        out2 = tap.verbose(f, on_step=boom, alert=lambda e: "fires")(jnp.float32(0.0))
+        jax.block_until_ready(out2); jax.effects_barrier()
+        same = all(np.asarray(a).tobytes() == np.asarray(b).tobytes()
+                   for o in (out, out2) for a, b in zip(jax.tree.leaves(o), jax.tree.leaves(expected)))
+        print("SAME", same)
+        """,
+        "-W", "error",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "SAME True" in proc.stdout
+
+
+# --------------------------------------------------------------------- vmap
+def test_vmap_of_verbose_and_verbose_of_vmap_with_while_loops():
+    def f(x):
+        return jax.lax.while_loop(lambda s: s[1] < 10.0, lambda s: (s[0] + 1, s[1] * 2.0 + 1.0), (0, x))
+
+    xs = jnp.array([0.0, 3.0, 9.5], jnp.float32)
+    expected = jax.vmap(f)(xs)
+    outer = []
+    assert_bits(sync(jax.vmap(tap.verbose(f, on_step=outer.append, select=lambda l: l[1]))(xs)), expected)
+    inner = []
+    assert_bits(sync(tap.verbose(jax.vmap(f), on_step=inner.append, select=lambda l: l[1]))(xs), expected)
+    # per-lane steps: lane 0 runs 4 steps (1, 3, 7, 15), lane 1 runs 2 (7, 15), lane 2 one (20)
+    assert sorted(float(e.value) for e in outer) == [1.0, 3.0, 7.0, 7.0, 15.0, 15.0, 20.0]
+    assert len(inner) == 4  # the batched loop itself: 4 iterations of all lanes

@@ -10,7 +10,7 @@ import pytest
 
 import jaxtap as tap
 
-from conftest import assert_bits, run_python, sync
+from taputil import assert_bits, run_python, sync
 
 
 def scan_while(x0, xs):

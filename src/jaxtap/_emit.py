@@ -70,9 +70,22 @@ def _split_payload(value):
     return dynamic, static, treedef, len(leaves)
 
 
-def make_host_fn(deliver, guard: Guard, path, top, total, kind, sample_every, static, treedef, n_leaves,
-                 flagged=False):
-    """The host half: rebuild the event and deliver it, never raising."""
+class Part:
+    """One event a tap ships at a step: where it goes and how it is built."""
+
+    __slots__ = ("deliver", "path", "top", "total", "kind", "payload_fn")
+
+    def __init__(self, deliver, path, top, total, kind, payload_fn):
+        self.deliver = deliver  # deliver(event, top), host side
+        self.path = path
+        self.top = top
+        self.total = total
+        self.kind = kind
+        self.payload_fn = payload_fn  # () -> device-side value (the select)
+
+
+def make_host_fn(parts, layouts, guard: Guard, sample_every, flagged=False):
+    """The host half: rebuild each part's event and deliver it, never raising."""
 
     def host(step, *arrays):
         try:
@@ -85,30 +98,41 @@ def make_host_fn(deliver, guard: Guard, path, top, total, kind, sample_every, st
             step = int(np.asarray(step))
             if sample_every > 1 and step % sample_every:
                 return
-            it = iter(arrays)
-            leaves = [static[i] if i in static else _to_host(next(it)) for i in range(n_leaves)]
-            value = jax.tree_util.tree_unflatten(treedef, leaves)
-            deliver(TapEvent(path, step, value, total, kind), top)
         except Exception as exc:  # noqa: BLE001 - totality
             guard.failed(exc)
+            return
+        offset = 0
+        for part, (static, treedef, n, n_dyn) in zip(parts, layouts):
+            mine, offset = arrays[offset:offset + n_dyn], offset + n_dyn
+            try:
+                it = iter(mine)
+                leaves = [static[i] if i in static else _to_host(next(it)) for i in range(n)]
+                value = jax.tree_util.tree_unflatten(treedef, leaves)
+                part.deliver(TapEvent(part.path, step, value, part.total, part.kind), part.top)
+            except Exception as exc:  # noqa: BLE001 - totality
+                guard.failed(exc)
 
     return host
 
 
-def emit(deliver, guard, *, path, top, total, kind, step, payload_fn, sample_every, valid=None):
-    """Stage one tap at ``step``.
+def emit(parts, guard, *, step, sample_every, valid=None):
+    """Stage one host hop at ``step`` carrying every part.
 
     Gated on device by ``valid`` when given, else by ``step % sample_every
-    == 0``. ``payload_fn()`` builds the device-side value (the user's
-    select); it is only traced inside the gated branch, so steps that do not
-    fire never run it.
+    == 0``. Each part's ``payload_fn()`` (the user's select) is only traced
+    inside the gated branch, so steps that do not fire never run it. A carry
+    tap and a y-tap of one loop share this one hop.
     """
     flagged = valid is not None
 
     def fire(step, *flag):
-        dynamic, static, treedef, n = _split_payload(payload_fn())
-        host = make_host_fn(deliver, guard, path, top, total, kind, sample_every, static, treedef, n, flagged)
-        jax.debug.callback(host, step, *flag, *dynamic)
+        operands, layouts = [], []
+        for part in parts:
+            dynamic, static, treedef, n = _split_payload(part.payload_fn())
+            operands.extend(dynamic)
+            layouts.append((static, treedef, n, len(dynamic)))
+        host = make_host_fn(parts, layouts, guard, sample_every, flagged)
+        jax.debug.callback(host, step, *flag, *operands)
 
     if not flagged and sample_every == 1:
         fire(step)

@@ -148,30 +148,40 @@ def _truthy(verdict: Any, guard: Guard) -> bool:
 class Consumers:
     """The host-side fan-out for one tap configuration.
 
-    Order per event: alert, then the recorder, then ``on_step``.
+    Carry events: ``alert``, then the recorder, then ``on_step``. Scan-output
+    events: ``alert_ys``, then the recorder, then ``on_ys``.
     """
 
-    def __init__(self, on_step=None, alert=None, alert_once=False, recorder=None):
+    def __init__(self, on_step=None, alert=None, alert_once=False, recorder=None,
+                 on_ys=None, alert_ys=None, alert_ys_once=False):
         self.alert = Alerter(alert, alert_once) if alert is not None else None
         self.recorder = recorder
         self.on_step = Guard(on_step, "on_step callback") if on_step is not None else None
-        self.lock = threading.Lock()
+        self.alert_ys = Alerter(alert_ys, alert_ys_once) if alert_ys is not None else None
+        self.on_ys = Guard(on_ys, "on_ys callback") if on_ys is not None else None
 
     @property
     def observes(self) -> bool:
         return any(x is not None for x in (self.alert, self.recorder, self.on_step))
 
+    @property
+    def observes_ys(self) -> bool:
+        return self.alert_ys is not None or self.on_ys is not None
+
     def new_run(self) -> None:
-        if self.alert is not None:
-            self.alert.reset()
+        for a in (self.alert, self.alert_ys):
+            if a is not None:
+                a.reset()
 
     def deliver(self, event: TapEvent) -> None:
-        if self.alert is not None:
-            self.alert(event)
+        output = event.kind == "output"
+        alert, consumer = (self.alert_ys, self.on_ys) if output else (self.alert, self.on_step)
+        if alert is not None:
+            alert(event)
         if self.recorder is not None:
             try:
                 self.recorder.append(event)
             except Exception:  # noqa: BLE001
                 pass
-        if self.on_step is not None:
-            self.on_step(event)
+        if consumer is not None:
+            consumer(event)

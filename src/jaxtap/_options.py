@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
 OPS = ("scan", "while_loop")
@@ -127,14 +127,21 @@ class Plan:
     emit_carry: bool
     prim_taps: Tuple[PrimTap, ...] = ()
     select_path: Any = False
-    _needs_cache: dict = field(default_factory=dict)
+    select_ys: Optional[Callable] = None
+    emit_ys: bool = False
+    select_ys_path: Any = False
 
     def fingerprint(self):
         return (
             fingerprint(self.select), self.sample_every, tuple(sorted(self.kinds)),
             fingerprint(self.where), self.max_depth, self.emit_carry,
             tuple(t.fingerprint() for t in self.prim_taps),
+            fingerprint(self.select_ys), self.emit_ys,
         )
+
+    @property
+    def emits_loops(self) -> bool:
+        return self.emit_carry or self.emit_ys
 
     @property
     def tapped_names(self) -> frozenset:
@@ -142,12 +149,19 @@ class Plan:
 
     @property
     def active(self) -> bool:
-        return self.emit_carry or bool(self.prim_taps)
+        return self.emit_carry or self.emit_ys or bool(self.prim_taps)
 
 
-def build_plan(*, select, sample_every, ops, where, max_depth, taps, emit_carry) -> Plan:
+def build_plan(*, select, sample_every, ops, where, max_depth, taps, emit_carry,
+               select_ys=None, emit_ys=False) -> Plan:
     _check_callable("select", select)
+    _check_callable("select_ys", select_ys)
     _check_callable("where", where)
+    kinds = normalize_ops(ops)
+    if emit_ys and "scan" not in kinds:
+        from ._host import warn_once_now
+        warn_once_now("jax-tap: y-taps (select_ys/on_ys/alert_ys) observe scans, but `ops` excludes 'scan'; "
+                      "no output events will be emitted. Add 'scan' to ops.")
     taps = tuple(taps or ())
     for t in taps:
         if not isinstance(t, PrimTap):
@@ -157,15 +171,18 @@ def build_plan(*, select, sample_every, ops, where, max_depth, taps, emit_carry)
     return Plan(
         select=select,
         sample_every=check_sample_every(sample_every),
-        kinds=normalize_ops(ops),
+        kinds=kinds,
         where=where,
         max_depth=check_max_depth(max_depth),
         emit_carry=emit_carry,
         prim_taps=taps,
         select_path=select_wants_path(select) if select is not None else False,
+        select_ys=select_ys,
+        emit_ys=emit_ys,
+        select_ys_path=select_wants_path(select_ys) if select_ys is not None else False,
     )
 
 
-def check_host_callables(on_step, alert):
-    _check_callable("on_step", on_step)
-    _check_callable("alert", alert)
+def check_host_callables(**named):
+    for name, fn in named.items():
+        _check_callable(name, fn)

@@ -26,11 +26,10 @@ from typing import Optional
 from . import _seam
 from ._collectors import FlightRecorder
 from ._emit import TapSelectError
-from ._host import Consumers, Guard, warn_once_now
-from ._options import build_plan, check_host_callables
-from ._toolkit import prim_consumers, warn_unmatched
+from ._host import warn_once_now
+from ._toolkit import warn_unmatched
 from ._transform import SiteIndex, Sinks, Walker, handle_scan, handle_while
-from ._verbose import make_tapped
+from ._verbose import configure, make_tapped, rebuild_guard
 
 _HANDLERS = {_seam.scan_p: handle_scan, _seam.while_p: handle_while}
 
@@ -43,8 +42,8 @@ class Token:
     def __init__(self, key, plan):
         self.key = key
         router = _Router(self)
-        guard = Guard(plan.select or (lambda leaves: leaves), "select (its result could not be rebuilt on the host)")
-        sinks = Sinks(router.carry, [router.prim(i) for i in range(len(plan.prim_taps))], guard)
+        sinks = Sinks(router.carry, router.carry, [router.prim(i) for i in range(len(plan.prim_taps))],
+                      rebuild_guard(plan))
         self.walker = Walker(plan, sinks, SiteIndex())
 
     def __repr__(self):
@@ -239,14 +238,9 @@ class TapContext:
     of the block. See :func:`record`.
     """
 
-    def __init__(self, *, on_step=None, select=None, alert=None, alert_once=False, ops=("scan", "while_loop"),
-                 sample_every=1, where=None, max_depth=None, taps=(), recorder: Optional[FlightRecorder] = None):
-        check_host_callables(on_step, alert)
+    def __init__(self, recorder: Optional[FlightRecorder] = None, **cfg):
         self.recorder = recorder if recorder is not None else FlightRecorder()
-        self._plan = build_plan(select=select, sample_every=sample_every, ops=ops, where=where,
-                                max_depth=max_depth, taps=taps, emit_carry=True)
-        self._consumers = Consumers(on_step, alert, alert_once, recorder=self.recorder)
-        self._prims = prim_consumers(self._plan.prim_taps, self.recorder)
+        self._plan, self._consumers, self._prims = configure(recorder=self.recorder, with_form=True, **cfg)
         self._token = None
         self._thread = None
         self._active = False
@@ -291,7 +285,8 @@ class TapContext:
 
 
 def record(fn=None, /, *, on_step=None, select=None, alert=None, alert_once=False, ops=("scan", "while_loop"),
-           sample_every=1, where=None, max_depth=None, taps=(), maxlen=None):
+           sample_every=1, where=None, max_depth=None, taps=(), select_ys=None, on_ys=None, alert_ys=None,
+           alert_ys_once=False, maxlen=None):
     """Record loop telemetry: as a with-block around unmodified code, or by
     wrapping a function.
 
@@ -322,7 +317,8 @@ def record(fn=None, /, *, on_step=None, select=None, alert=None, alert_once=Fals
     """
     rec = FlightRecorder(maxlen=maxlen)
     cfg = dict(on_step=on_step, select=select, alert=alert, alert_once=alert_once, ops=ops,
-               sample_every=sample_every, where=where, max_depth=max_depth, taps=taps)
+               sample_every=sample_every, where=where, max_depth=max_depth, taps=taps, select_ys=select_ys,
+               on_ys=on_ys, alert_ys=alert_ys, alert_ys_once=alert_ys_once)
     if fn is None:
         return TapContext(recorder=rec, **cfg)
     return make_tapped(fn, recorder=rec, **cfg), rec

@@ -25,7 +25,7 @@ import numpy as np
 from jax import lax
 
 from . import _seam
-from ._emit import emit, finite_flag, run_select
+from ._emit import Part, emit, finite_flag, run_select
 from ._options import Plan, PrimTap
 
 _INT32 = None
@@ -97,8 +97,9 @@ class Scope:
 class Sinks:
     """Where the host halves deliver: set up by verbose() or record()."""
 
-    def __init__(self, carry, prims, guard):
+    def __init__(self, carry, ys, prims, guard):
         self.carry = carry  # deliver(event, top) for carry events
+        self.ys = ys  # deliver(event, top) for scan-output events
         self.prims = prims  # list of deliver(event, top), one per PrimTap
         self.guard = guard
 
@@ -117,9 +118,17 @@ class Walker:
     def top_scope(self):
         return Scope("", self.sites, False, None, 1)
 
-    def emits_carry(self, kind, path) -> bool:
+    def loop_wants(self, kind, path):
+        """(carry?, ys?) this loop emits; (False, False) when it is silent."""
         p = self.plan
-        if not p.emit_carry or kind not in p.kinds:
+        want_ys = p.emit_ys and kind == "scan"
+        if not (p.emit_carry or want_ys) or not self._selected(kind, path):
+            return (False, False)
+        return (p.emit_carry, want_ys)
+
+    def _selected(self, kind, path) -> bool:
+        p = self.plan
+        if kind not in p.kinds:
             return False
         if p.max_depth is not None and path.count("/") > p.max_depth:
             return False
@@ -141,7 +150,7 @@ class Walker:
             name = eqn.primitive.name
             if name in self._tap_names:
                 result = True
-            elif name in (_seam.SCAN, _seam.WHILE) and self.plan.emit_carry:
+            elif name in (_seam.SCAN, _seam.WHILE) and self.plan.emits_loops:
                 result = True
             elif name in HANDLERS:
                 result = any(self.needs(sub) for sub in _seam.subjaxprs_of(eqn.params))
@@ -151,7 +160,7 @@ class Walker:
         return result
 
     def eqn_needs(self, eqn) -> bool:
-        if eqn.primitive.name in (_seam.SCAN, _seam.WHILE) and self.plan.emit_carry:
+        if eqn.primitive.name in (_seam.SCAN, _seam.WHILE) and self.plan.emits_loops:
             return True
         return any(self.needs(sub) for sub in _seam.subjaxprs_of(eqn.params))
 
@@ -166,13 +175,19 @@ class Walker:
 
         return _seam.trace_closed(fn, list(closed.in_avals) + list(extra_avals))
 
-    def emit_carry(self, path, top, total, step, leaves, valid=None):
+    def emit_loop(self, wants, path, top, total, step, carry, ys=(), valid=None):
+        """One hop for a loop step: its carry event and/or its ys event."""
         p = self.plan
-        emit(
-            self.sinks.carry, self.sinks.guard, path=path, top=top, total=total, kind="carry",
-            step=step, sample_every=p.sample_every, valid=valid,
-            payload_fn=lambda: run_select(p.select, p.select_path, leaves, path),
-        )
+        want_carry, want_ys = wants
+        parts = []
+        if want_carry:
+            parts.append(Part(self.sinks.carry, path, top, total, "carry",
+                              lambda: run_select(p.select, p.select_path, carry, path)))
+        if want_ys and ys:
+            parts.append(Part(self.sinks.ys, path, top, total, "output",
+                              lambda: run_select(p.select_ys, p.select_ys_path, ys, path, what="scan outputs (ys)")))
+        if parts:
+            emit(parts, self.sinks.guard, step=step, sample_every=p.sample_every, valid=valid)
 
     def emit_prims(self, eqn_name, site, outs, scope):
         taps = [(i, t) for i, t in enumerate(self.plan.prim_taps) if t.prim == eqn_name]
@@ -181,13 +196,11 @@ class Walker:
         path, top = scope.address(eqn_name, site)
         step = scope.step if scope.step is not None else np.int32(0 if not scope.in_loop else -1)
         every = self.plan.sample_every if scope.step is not None else 1
+        parts = []
         for i, t in taps:
             chosen = tuple(outs) if t.output is None else (outs[t.output],)
-            emit(
-                self.sinks.prims[i], self.sinks.guard, path=path, top=top, total=scope.total,
-                kind="primitive", step=step, sample_every=every,
-                payload_fn=_prim_payload(t, chosen, path),
-            )
+            parts.append(Part(self.sinks.prims[i], path, top, scope.total, "primitive", _prim_payload(t, chosen, path)))
+        emit(parts, self.sinks.guard, step=step, sample_every=every)
 
 
 def _prim_payload(t: PrimTap, chosen, path):
@@ -252,7 +265,8 @@ def handle_scan(walker, eqn, params, invals, scope, site):
     """
     body, nc, ncar, length = _seam.scan_parts(params)
     path, top = scope.address("scan", site)
-    emits = walker.emits_carry("scan", path)
+    wants = walker.loop_wants("scan", path)
+    emits = any(wants)
     if not emits and not walker.needs(body.jaxpr):
         return _bind(eqn, _seam.scan_p, invals, params)
 
@@ -265,7 +279,7 @@ def handle_scan(walker, eqn, params, invals, scope, site):
             consts, counter, rest = a[:nc], a[nc], a[nc + 1:]
             outs = stepped_body(counter, *consts, *rest)
             if emits:
-                walker.emit_carry(path, top, length, counter, outs[:ncar])
+                walker.emit_loop(wants, path, top, length, counter, outs[:ncar], outs[ncar:])
             return [lax.add(counter, _one())] + list(outs)
 
         avals = list(body.in_avals)
@@ -279,7 +293,7 @@ def handle_scan(walker, eqn, params, invals, scope, site):
     stepped = _seam.trace_closed(stepped_body, [_int32_aval()] + list(body.in_avals))
 
     def driven(*args):
-        return _scan_driver(walker, params, stepped, path, top, args)
+        return _scan_driver(walker, wants, params, stepped, path, top, args)
 
     return _seam.with_jvp_rule(driven, in_body, list(invals))
 
@@ -289,7 +303,7 @@ def _next_stop(i, k):
     return lax.add(lax.mul(lax.div(lax.add(i, lax.sub(k, _one())), k), k), _one())
 
 
-def _scan_driver(walker, params, stepped, path, top, args):
+def _scan_driver(walker, wants, params, stepped, path, top, args):
     body, nc, ncar, length = _seam.scan_parts(params)
     reverse = _seam.scan_reverse(params)
     consts, carry, xs = args[:nc], args[nc:nc + ncar], args[nc + ncar:]
@@ -314,7 +328,9 @@ def _scan_driver(walker, params, stepped, path, top, args):
         i2, c2, ys2 = run_until(i, lax.min(_next_stop(i, k), n), c, ys)
         last = lax.sub(i2, _one())
         valid = None if every == 1 else lax.eq(lax.rem(last, k), np.int32(0))
-        walker.emit_carry(path, top, length, last, list(c2), valid=valid)
+        at = lax.sub(lax.sub(n, last), _one()) if reverse else last
+        ys_now = [_seam.index_in_dim(b, at) for b in ys2] if wants[1] else []
+        walker.emit_loop(wants, path, top, length, last, list(c2), ys_now, valid=valid)
         return (i2, k, *c2, *ys2)
 
     k0 = _seam.optimization_barrier(np.int32(every))
@@ -333,7 +349,8 @@ def handle_while(walker, eqn, params, invals, scope, site):
     """
     cond, cnc, body, bnc = _seam.while_parts(params)
     path, top = scope.address("while", site)
-    emits = walker.emits_carry("while", path)
+    wants = walker.loop_wants("while", path)
+    emits = any(wants)
     if not emits and not walker.needs(body.jaxpr):
         return _bind(eqn, _seam.while_p, invals, params)
     cconsts, bconsts, init = invals[:cnc], invals[cnc:cnc + bnc], invals[cnc + bnc:]
@@ -382,7 +399,7 @@ def handle_while(walker, eqn, params, invals, scope, site):
         i2, carry2 = run_until(i, _next_stop(i, k), carry)
         last = lax.sub(i2, _one())
         fired = lax.bitwise_and(lax.gt(i2, i), lax.eq(lax.rem(last, k), np.int32(0)))
-        walker.emit_carry(path, top, None, last, carry2, valid=fired)
+        walker.emit_loop(wants, path, top, None, last, carry2, valid=fired)
         return (i2, k, user_cond(carry2), *carry2)
 
     # The sampling period enters as a runtime value so XLA cannot prove the

@@ -107,17 +107,30 @@ def _ignore_top(deliver):
     return lambda event, top: deliver(event)
 
 
-def make_tapped(f, *, on_step=None, select=None, alert=None, alert_once=False, ops=("scan", "while_loop"),
-                sample_every=1, where=None, max_depth=None, taps=(), recorder=None) -> Tapped:
+def configure(*, on_step=None, select=None, alert=None, alert_once=False, ops=("scan", "while_loop"),
+              sample_every=1, where=None, max_depth=None, taps=(), select_ys=None, on_ys=None,
+              alert_ys=None, alert_ys_once=False, recorder=None, with_form=False):
+    """Validate a tap configuration; return (plan, consumers, primitive consumers)."""
+    check_host_callables(on_step=on_step, alert=alert, on_ys=on_ys, alert_ys=alert_ys)
+    consumers = Consumers(on_step, alert, alert_once, recorder=recorder,
+                          on_ys=on_ys, alert_ys=alert_ys, alert_ys_once=alert_ys_once)
+    emit_ys = consumers.observes_ys or (select_ys is not None and recorder is not None)
+    plan = build_plan(select=select, sample_every=sample_every, ops=ops, where=where, max_depth=max_depth,
+                      taps=taps, emit_carry=with_form or consumers.observes, select_ys=select_ys,
+                      emit_ys=emit_ys)
+    return plan, consumers, prim_consumers(plan.prim_taps, recorder)
+
+
+def rebuild_guard(plan):
+    return Guard(plan.select or (lambda leaves: leaves), "select (its result could not be rebuilt on the host)")
+
+
+def make_tapped(f, recorder=None, **cfg) -> Tapped:
     if not callable(f):
         raise TypeError(f"jax-tap: expected a function to observe, got {type(f).__name__}: {f!r}")
-    check_host_callables(on_step, alert)
-    consumers = Consumers(on_step, alert, alert_once, recorder=recorder)
-    plan = build_plan(select=select, sample_every=sample_every, ops=ops, where=where,
-                      max_depth=max_depth, taps=taps, emit_carry=consumers.observes)
-    prims = prim_consumers(plan.prim_taps, recorder)
-    guard = Guard(select or (lambda leaves: leaves), "select (its result could not be rebuilt on the host)")
-    sinks = Sinks(_ignore_top(consumers.deliver), [_ignore_top(p.deliver) for p in prims], guard)
+    plan, consumers, prims = configure(recorder=recorder, **cfg)
+    deliver = _ignore_top(consumers.deliver)
+    sinks = Sinks(deliver, deliver, [_ignore_top(p.deliver) for p in prims], rebuild_guard(plan))
     walker = Walker(plan, sinks, SiteIndex())
     return Tapped(f, walker, consumers, prims, observes=plan.active)
 
@@ -125,7 +138,8 @@ def make_tapped(f, *, on_step=None, select=None, alert=None, alert_once=False, o
 def verbose(f: Callable, *, on_step: Optional[Callable] = None, select: Optional[Callable] = None,
             alert: Optional[Callable] = None, alert_once: bool = False, ops=("scan", "while_loop"),
             sample_every: int = 1, where: Optional[Callable] = None, max_depth: Optional[int] = None,
-            taps=()) -> Callable:
+            taps=(), select_ys: Optional[Callable] = None, on_ys: Optional[Callable] = None,
+            alert_ys: Optional[Callable] = None, alert_ys_once: bool = False) -> Callable:
     """Observe every ``scan`` / ``while_loop`` step of ``f``, live.
 
     Returns a function with ``f``'s name and docstring whose outputs and
@@ -159,6 +173,11 @@ def verbose(f: Callable, *, on_step: Optional[Callable] = None, select: Optional
         Only loops whose path has at most this many ``/`` emit.
     taps : sequence
         Primitive taps from :func:`on`, :func:`watch_nan`, :func:`print`.
+    select_ys, on_ys, alert_ys, alert_ys_once
+        Y-taps: the same machinery for the ``ys`` a scan body returns each
+        step (``select_ys`` gets their flat leaves); events have
+        ``kind="output"`` and go to ``on_ys``/``alert_ys``. A carry tap and a
+        y-tap of one step cross to the host in one callback.
 
     Examples
     --------
@@ -173,4 +192,5 @@ def verbose(f: Callable, *, on_step: Optional[Callable] = None, select: Optional
     [('scan[0]', 0, 2.0), ('scan[0]', 1, 4.0), ('scan[0]', 2, 8.0)]
     """
     return make_tapped(f, on_step=on_step, select=select, alert=alert, alert_once=alert_once, ops=ops,
-                       sample_every=sample_every, where=where, max_depth=max_depth, taps=taps)
+                       sample_every=sample_every, where=where, max_depth=max_depth, taps=taps,
+                       select_ys=select_ys, on_ys=on_ys, alert_ys=alert_ys, alert_ys_once=alert_ys_once)

@@ -282,11 +282,33 @@ def site_of_traceback(tb, name_stack):
 
 
 def site_of_eqn(eqn):
-    return site_of_traceback(eqn.source_info.traceback, eqn.source_info.name_stack)
+    site = site_of_traceback(eqn.source_info.traceback, eqn.source_info.name_stack)
+    if site is None:  # JAX keeps only the frames inside the innermost trace
+        site = ("<no user frame>", str(eqn.source_info.name_stack), eqn.primitive.name)
+    return site
 
 
 def current_site():
-    return site_of_traceback(_source_info.current().traceback, _source_info.current_name_stack())
+    """The site of a bind happening now; the full Python stack as fallback
+    (JAX's own traceback stops at the innermost jit being traced)."""
+    name_stack = _source_info.current_name_stack()
+    site = site_of_traceback(_source_info.current().traceback, name_stack)
+    if site is not None:
+        return site
+    import sys
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if _source_info.is_user_filename(code.co_filename):
+            col = 0
+            try:
+                positions = list(code.co_positions())[frame.f_lasti // 2]
+                col = positions[2] or 0
+            except Exception:  # noqa: BLE001
+                pass
+            return (code.co_filename, frame.f_lineno, col, "transpose" in str(name_stack))
+        frame = frame.f_back
+    return ("<no user frame>", str(name_stack))
 
 
 # ------------------------------------------------------------ trace chain

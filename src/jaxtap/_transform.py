@@ -44,12 +44,8 @@ class SiteIndex:
     def __init__(self):
         self._by_site: dict = {}
         self._next: dict = {}
-        self._anon = 0
 
     def index(self, name, site):
-        if site is None:
-            self._anon += 1
-            site = ("<anonymous>", self._anon)
         key = (name, site)
         if key not in self._by_site:
             n = self._next.get(name, 0)

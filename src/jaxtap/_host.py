@@ -101,9 +101,11 @@ def value_repr(value: Any) -> str:
 class Alerter:
     """Evaluates an alert predicate for an event and prints a FAIL line."""
 
-    def __init__(self, predicate: Callable, once: bool, label: str = "alert", on_value: bool = False):
+    def __init__(self, predicate: Callable, once: bool, label: str = "alert", on_value: bool = False,
+                 once_key: Optional[Callable] = None):
         self.guard = Guard(predicate, "alert")
         self.once = once
+        self.once_key = once_key or (lambda e: e.path)
         self.label = label
         self.on_value = on_value  # primitive taps pass the value, carry alerts the event
         self._fired: set = set()
@@ -114,9 +116,10 @@ class Alerter:
             self._fired.clear()
 
     def __call__(self, event: TapEvent) -> None:
+        key = self.once_key(event)
         if self.once:
             with self._lock:
-                if event.path in self._fired:
+                if key in self._fired:
                     return
         try:
             verdict = self.guard(event.value if self.on_value else event)
@@ -131,9 +134,9 @@ class Alerter:
             return
         if self.once:
             with self._lock:
-                if event.path in self._fired:
+                if key in self._fired:
                     return
-                self._fired.add(event.path)
+                self._fired.add(key)
         _say(fail_line(event, message))
 
 

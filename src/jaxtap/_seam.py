@@ -404,6 +404,13 @@ class quiet:
         return False
 
 
+def is_leaf_float_eqn(eqn) -> bool:
+    """A primitive (no sub-jaxprs) with a floating-point or complex output."""
+    if subjaxprs_of(eqn.params):
+        return False
+    return any(np.issubdtype(getattr(v.aval, "dtype", np.int32), np.inexact) for v in eqn.outvars)
+
+
 def collect_names(jaxpr, out=None) -> dict:
     """Primitive name -> count, including every nested jaxpr."""
     out = {} if out is None else out

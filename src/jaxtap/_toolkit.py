@@ -55,10 +55,16 @@ def on(prim_name: str, select: Optional[Callable] = None, alert: Optional[Callab
     return PrimTap(prim_name, select=select, alert=alert, label=label, output=output, once=once, mode="on")
 
 
-def watch_nan(prim_name: str, label: str = "NaN/Inf", output: Optional[int] = None, once: bool = False) -> PrimTap:
+def watch_nan(prim_name: Optional[str] = None, label: Optional[str] = None, output: Optional[int] = None,
+              once: Optional[bool] = None) -> PrimTap:
     """Alert live when a primitive's floating-point output is not finite.
 
-    Only one bool per firing crosses to the host (reduced on device).
+    The check runs on device; the host hears only about firings that trip.
+    With no ``prim_name``, every equation that produces floating-point
+    values is watched and each NaN/Inf **birth site** is reported - an
+    equation whose inputs are all finite but whose output is not - with its
+    address and step, without halting or re-running anything; ``once``
+    defaults to True there (the first birth of a run, then quiet).
 
     Examples
     --------
@@ -69,8 +75,13 @@ def watch_nan(prim_name: str, label: str = "NaN/Inf", output: Optional[int] = No
     ...     f(jnp.float32(0.0), jnp.array([1.0, 0.0, 2.0]))
     [tap] FAIL scan[0]/log[0] 1/3: NaN/Inf
     """
+    if prim_name is None:
+        once = True if once is None else once
+        _check_prim_args("any", None, output, label, once)
+        return PrimTap(None, label=label or "NaN/Inf born here (inputs finite)", once=once, mode="nan_birth")
+    once = False if once is None else once
     _check_prim_args(prim_name, None, output, label, once)
-    return PrimTap(prim_name, label=label, output=output, once=once, mode="nan")
+    return PrimTap(prim_name, label=label or "NaN/Inf", output=output, once=once, mode="nan")
 
 
 def print(prim_name: str, output: Optional[int] = None, select: Optional[Callable] = None,  # noqa: A001
@@ -101,8 +112,10 @@ class PrimConsumer:
         self.recorder = recorder
         self._printed: set = set()
         self._lock = threading.Lock()
-        if t.mode == "nan":
-            self.alerter = Alerter(lambda v: not bool(v), t.once, t.label or "NaN/Inf", on_value=True)
+        if t.mode in ("nan", "nan_birth"):
+            # the device ships only firings that tripped
+            self.alerter = Alerter(lambda v: True, t.once, t.label or "NaN/Inf", on_value=True,
+                                   once_key=(lambda e: "run") if t.mode == "nan_birth" else None)
         elif t.mode == "on" and t.alert is not None:
             self.alerter = Alerter(t.alert, t.once, t.label or "alert", on_value=True)
         else:

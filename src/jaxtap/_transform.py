@@ -109,6 +109,7 @@ class Walker:
         self.sites = sites
         self._needs: dict = {}
         self._tap_names = plan.tapped_names
+        self._births = [(i, t) for i, t in enumerate(plan.prim_taps) if t.prim is None]
 
     # -------------------------------------------------------------- decisions
     def top_scope(self):
@@ -144,7 +145,7 @@ class Walker:
         result = False
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
-            if name in self._tap_names:
+            if name in self._tap_names or (self._births and _seam.is_leaf_float_eqn(eqn)):
                 result = True
             elif name in (_seam.SCAN, _seam.WHILE) and self.plan.emits_loops:
                 result = True
@@ -185,24 +186,41 @@ class Walker:
         if parts:
             emit(parts, self.sinks.guard, step=step, sample_every=p.sample_every, valid=valid)
 
-    def emit_prims(self, eqn_name, site, outs, scope):
-        taps = [(i, t) for i, t in enumerate(self.plan.prim_taps) if t.prim == eqn_name]
-        if not taps:
+    def emit_prims(self, eqn, invals, outs, scope):
+        """Primitive taps on one equation: one address, one hop per gate."""
+        name = eqn.primitive.name
+        taps = [(i, t) for i, t in enumerate(self.plan.prim_taps) if t.prim == name]
+        births = self._births if self._births and _seam.is_leaf_float_eqn(eqn) else []
+        if not taps and not births:
             return
-        path, top = scope.address(eqn_name, site)
+        path, top = scope.address(name, _seam.site_of_eqn(eqn))
         step = scope.step if scope.step is not None else np.int32(0 if not scope.in_loop else -1)
         every = self.plan.sample_every if scope.step is not None else 1
-        parts = []
+        sampled = None if every == 1 else lax.eq(lax.rem(step, np.int32(every)), np.int32(0))
+        plain = []
         for i, t in taps:
             chosen = tuple(outs) if t.output is None else (outs[t.output],)
-            parts.append(Part(self.sinks.prims[i], path, top, scope.total, "primitive", _prim_payload(t, chosen, path)))
-        emit(parts, self.sinks.guard, step=step, sample_every=every)
+            part = Part(self.sinks.prims[i], path, top, scope.total, "primitive", _prim_payload(t, chosen, path))
+            if t.mode == "nan":  # a tripwire crosses to the host only when it trips
+                self._emit_when(lax.bitwise_not(finite_flag(chosen)), sampled, part, step)
+            else:
+                plain.append(part)
+        if plain:
+            emit(plain, self.sinks.guard, step=step, sample_every=every)
+        for i, t in births:
+            born = lax.bitwise_and(finite_flag(invals), lax.bitwise_not(finite_flag(outs)))
+            part = Part(self.sinks.prims[i], path, top, scope.total, "primitive", lambda: np.bool_(False))
+            self._emit_when(born, sampled, part, step)
+
+    def _emit_when(self, flag, sampled, part, step):
+        valid = flag if sampled is None else lax.bitwise_and(flag, sampled)
+        emit([part], self.sinks.guard, step=step, sample_every=1, valid=valid)
 
 
 def _prim_payload(t: PrimTap, chosen, path):
     def payload():
         if t.mode == "nan":
-            return finite_flag(chosen)
+            return np.bool_(False)  # only shipped when not finite
         if t.select is not None:
             return run_select(t.select, False, chosen, path, what=f"outputs of {t.prim}")
         return chosen[0] if len(chosen) == 1 else chosen
@@ -228,8 +246,8 @@ def interpret(walker: Walker, jaxpr, consts, args, scope: Scope):
             outs = handler(walker, eqn, eqn.params, invals, scope, _seam.site_of_eqn(eqn))
         else:
             outs = _seam.eval_eqn(eqn, invals)
-        if eqn.primitive.name in walker._tap_names:
-            walker.emit_prims(eqn.primitive.name, _seam.site_of_eqn(eqn), outs, scope)
+        if eqn.primitive.name in walker._tap_names or walker._births:
+            walker.emit_prims(eqn, invals, outs, scope)
         for v, x in zip(eqn.outvars, outs):
             if not isinstance(v, _seam.DropVar):
                 env[v] = x

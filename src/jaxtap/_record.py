@@ -121,7 +121,7 @@ class _Registry:
             stack = self.stacks.setdefault(ctx._thread, [])
             stack.append(weakref.ref(ctx, _collected))
             self.n_active += 1
-            _install()
+            _sync_patches()
         self._sync_thread_token()
 
     def remove(self, ctx_ref_or_ctx, thread):
@@ -137,9 +137,16 @@ class _Registry:
                 self.stacks.pop(thread, None)
             if self.n_active <= 0:
                 self.n_active = 0
-                _uninstall()
+            _sync_patches()
         if thread == threading.get_ident():
             self._sync_thread_token()
+
+    def active(self):
+        for stack in list(self.stacks.values()):
+            for r in list(stack):
+                ctx = r()
+                if ctx is not None:
+                    yield ctx
 
     def top(self, thread):
         stack = self.stacks.get(thread)
@@ -168,7 +175,7 @@ class _Registry:
             self.stacks.clear()
             self.tokens.clear()
             self.n_active = 0
-            _uninstall()
+            _uninstall_all()
         _seam.set_thread_token(None)
 
 
@@ -183,19 +190,37 @@ def _collected(ref):
 
 
 # ------------------------------------------------------------- interception
-def _install():
-    for prim in _HANDLERS:
-        if not _seam.bind_is_patched(prim):
+def _sync_patches():
+    """Intercept the loop primitives, and the primitives some active block
+    taps by name, exactly while they are needed."""
+    wanted = set(_HANDLERS) if _REGISTRY.n_active else set()
+    if _REGISTRY.n_active:
+        for ctx in _REGISTRY.active():
+            for t in ctx._plan.prim_taps:
+                prim = _seam.primitive_named(t.prim) if t.prim else None
+                if prim is not None and prim not in _HANDLERS:
+                    wanted.add(prim)
+    for prim in list(_PATCHED):
+        if prim not in wanted:
+            _seam.uninstall_bind(prim)
+            _PATCHED.discard(prim)
+    for prim in wanted:
+        if prim not in _PATCHED:
             _seam.install_bind(prim, _make_bind(prim))
+            _PATCHED.add(prim)
 
 
-def _uninstall():
-    for prim in _HANDLERS:
+_PATCHED: set = set()
+
+
+def _uninstall_all():
+    for prim in list(_PATCHED) + list(_HANDLERS):
         _seam.uninstall_bind(prim)
+    _PATCHED.clear()
 
 
 def _make_bind(prim):
-    handler = _HANDLERS[prim]
+    handler = _HANDLERS.get(prim)
 
     def bind(*args, **params):
         if _seam.BUSY.depth or not _REGISTRY.n_active:
@@ -203,10 +228,28 @@ def _make_bind(prim):
         ctx = _REGISTRY.top(threading.get_ident())
         if ctx is None or _seam.inside_loop_body_trace():
             return _seam.bind_original(prim, args, params)
+        if handler is None:
+            return _tap_primitive(prim, ctx, args, params)
         return _intercept(prim, handler, ctx, args, params)
 
     bind.__jaxtap_patch__ = True
     return bind
+
+
+def _tap_primitive(prim, ctx, args, params):
+    """A tapped primitive bound outside any loop: bind it, then tap it."""
+    out = _seam.bind_original(prim, args, params)
+    if not any(t.prim == prim.name for t in ctx._plan.prim_taps):
+        return out
+    ctx._names_seen.add(prim.name)
+    outs = list(out) if prim.multiple_results else [out]
+    walker = ctx._token.walker
+    with _seam.quiet():
+        try:
+            walker.emit_prims(prim.name, _seam.current_site(), False, list(args), outs, walker.top_scope())
+        except Exception as exc:  # noqa: BLE001
+            warn_once_now(f"jax-tap: could not tap {prim.name} ({type(exc).__name__}: {exc}).")
+    return out
 
 
 def _intercept(prim, handler, ctx, args, params):

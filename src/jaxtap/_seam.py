@@ -404,6 +404,26 @@ class quiet:
         return False
 
 
+def _primitive_table():
+    table = {}
+    for attr in dir(_P):
+        prim = getattr(_P, attr)
+        if isinstance(prim, _core.Primitive):
+            table.setdefault(prim.name, prim)
+    return table
+
+
+_PRIMS_BY_NAME = None
+
+
+def primitive_named(name):
+    """The Primitive object called ``name`` (None when JAX exposes none)."""
+    global _PRIMS_BY_NAME
+    if _PRIMS_BY_NAME is None:
+        _PRIMS_BY_NAME = _primitive_table()
+    return _PRIMS_BY_NAME.get(name)
+
+
 def is_leaf_float_eqn(eqn) -> bool:
     """A primitive (no sub-jaxprs) with a floating-point or complex output."""
     if subjaxprs_of(eqn.params):

@@ -186,14 +186,13 @@ class Walker:
         if parts:
             emit(parts, self.sinks.guard, step=step, sample_every=p.sample_every, valid=valid)
 
-    def emit_prims(self, eqn, invals, outs, scope):
+    def emit_prims(self, name, site, leaf_float, invals, outs, scope):
         """Primitive taps on one equation: one address, one hop per gate."""
-        name = eqn.primitive.name
         taps = [(i, t) for i, t in enumerate(self.plan.prim_taps) if t.prim == name]
-        births = self._births if self._births and _seam.is_leaf_float_eqn(eqn) else []
+        births = self._births if leaf_float else []
         if not taps and not births:
             return
-        path, top = scope.address(name, _seam.site_of_eqn(eqn))
+        path, top = scope.address(name, site)
         step = scope.step if scope.step is not None else np.int32(0 if not scope.in_loop else -1)
         every = self.plan.sample_every if scope.step is not None else 1
         sampled = None if every == 1 else lax.eq(lax.rem(step, np.int32(every)), np.int32(0))
@@ -247,7 +246,8 @@ def interpret(walker: Walker, jaxpr, consts, args, scope: Scope):
         else:
             outs = _seam.eval_eqn(eqn, invals)
         if eqn.primitive.name in walker._tap_names or walker._births:
-            walker.emit_prims(eqn, invals, outs, scope)
+            walker.emit_prims(eqn.primitive.name, _seam.site_of_eqn(eqn),
+                              bool(walker._births) and _seam.is_leaf_float_eqn(eqn), invals, outs, scope)
         for v, x in zip(eqn.outvars, outs):
             if not isinstance(v, _seam.DropVar):
                 env[v] = x

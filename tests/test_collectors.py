@@ -552,3 +552,37 @@ def test_recorded_events_hold_no_device_buffers():
     assert all(type(e.value) is np.float32 for e in rec.events)
     # 2000 retained events must not pin 2000 device buffers
     assert len(jax.live_arrays()) - before < 100
+
+
+# ------------------------------------------------------- exactness regressions
+def test_read_jsonl_keeps_complex_signed_zeros_and_infinities(tmp_path):
+    path = str(tmp_path / "c.jsonl")
+    values = np.array([complex(-0.0, 2.0), complex(1.0, -0.0), complex(1.0, np.inf), complex(np.nan, -np.inf)],
+                      dtype=np.complex64)
+    with tap.JSONLWriter(path) as out:
+        for i, v in enumerate(values):
+            out(tap.TapEvent("scan[0]", i, v, 4))
+    back = [e.value for e in tap.read_jsonl(path)]
+    for a, b in zip(values, back):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_read_jsonl_keeps_bfloat16_bits(tmp_path):
+    import jax.numpy as jnp
+
+    path = str(tmp_path / "b.jsonl")
+    value = np.asarray(jnp.array([3.0, -0.0, np.inf, 1e-3], jnp.bfloat16))
+    with tap.JSONLWriter(path) as out:
+        out(tap.TapEvent("scan[0]", 0, value, 1))
+    (back,) = [e.value for e in tap.read_jsonl(path)]
+    assert back.dtype == value.dtype and back.tobytes() == value.tobytes()
+
+
+def test_events_is_a_snapshot_with_or_without_maxlen():
+    for maxlen in (None, 5):
+        rec = tap.FlightRecorder(maxlen=maxlen)
+        rec(tap.TapEvent("scan[0]", 0, 1.0))
+        snap = rec.events
+        rec(tap.TapEvent("scan[0]", 1, 2.0))
+        snap.clear()
+        assert len(snap) == 0 and len(rec.events) == 2

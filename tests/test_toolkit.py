@@ -238,11 +238,9 @@ def test_watch_nan_custom_label_and_with_form(capfd):
         out = chol_scan(jnp.float32(2.0))
     assert tap_lines(capfd) == ["[tap] FAIL scan[0]/jit[0]/cholesky[0] 2/3: L went bad"]
     prim = [e for e in rec.events if e.kind == "primitive"]
-    # one bool per firing crossed the host: finite, finite, not finite
-    assert [(e.path, e.step, bool(e.value)) for e in prim] == [
-        ("scan[0]/jit[0]/cholesky[0]", 0, True),
-        ("scan[0]/jit[0]/cholesky[0]", 1, True),
-        ("scan[0]/jit[0]/cholesky[0]", 2, False),
+    # the check runs on device; only the firing that trips reaches the host
+    assert [(e.path, e.step, e.total, bool(e.value)) for e in prim] == [
+        ("scan[0]/jit[0]/cholesky[0]", 2, 3, False),
     ]
     assert_bitwise(out, chol_scan(jnp.float32(2.0)))
 

@@ -41,7 +41,7 @@ class FlightRecorder:
     def events(self) -> List[TapEvent]:
         """The recorded events, oldest first (a list snapshot)."""
         with self._lock:
-            return list(self._events) if isinstance(self._events, collections.deque) else self._events
+            return list(self._events)
 
     def append(self, event: TapEvent) -> None:
         with self._lock:
@@ -112,9 +112,14 @@ def _encode(value) -> Any:
     if isinstance(value, np.ndarray) or isinstance(value, np.generic):
         arr = np.asarray(value)
         if arr.dtype.kind == "c":
-            data = {"re": arr.real.tolist(), "im": arr.imag.tolist()}
+            data = {"re": _encode_floats(arr.real), "im": _encode_floats(arr.imag)}
+        elif arr.dtype.kind == "V" and arr.dtype.itemsize in (1, 2, 4, 8):
+            # ml_dtypes (bfloat16, float8_*): keep the exact bits
+            data = {"bits": arr.view(f"uint{8 * arr.dtype.itemsize}").tolist()}
         elif arr.dtype.kind in "VO":
             data = repr(arr)
+        elif arr.dtype.kind == "f":
+            data = _encode_floats(arr)
         else:
             data = arr.tolist()
         return {"__nd__": data, "dtype": str(arr.dtype), "shape": list(arr.shape), "scalar": isinstance(value, np.generic)}
@@ -129,6 +134,20 @@ def _encode(value) -> Any:
     return value
 
 
+def _encode_floats(arr):
+    """Floats as JSON numbers, with NaN/Inf spelled out (JSON has no literal)."""
+    flat = [v if np.isfinite(v) else {"__float__": repr(float(v))} for v in arr.ravel().tolist()]
+    return np.array(flat, dtype=object).reshape(arr.shape).tolist() if arr.ndim else flat[0]
+
+
+def _floats(data):
+    if isinstance(data, list):
+        return [_floats(v) for v in data]
+    if isinstance(data, dict):
+        return float(data["__float__"])
+    return data
+
+
 def _decode(obj) -> Any:
     if isinstance(obj, list):
         return [_decode(v) for v in obj]
@@ -136,9 +155,13 @@ def _decode(obj) -> Any:
         if "__nd__" in obj:
             data, dtype = obj["__nd__"], np.dtype(obj["dtype"])
             if dtype.kind == "c":
-                arr = (np.asarray(data["re"]) + 1j * np.asarray(data["im"])).astype(dtype)
+                arr = np.empty(obj["shape"], dtype)
+                arr.real = np.asarray(_floats(data["re"]))
+                arr.imag = np.asarray(_floats(data["im"]))
+            elif isinstance(data, dict) and "bits" in data:
+                arr = np.asarray(data["bits"], dtype=f"uint{8 * dtype.itemsize}").view(dtype)
             else:
-                arr = np.asarray(data, dtype=dtype)
+                arr = np.asarray(_floats(data), dtype=dtype)
             arr = arr.reshape(obj["shape"])
             return arr[()] if obj.get("scalar") else arr
         if "__dict__" in obj:

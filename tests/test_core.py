@@ -384,3 +384,44 @@ def test_vmap_of_verbose_and_verbose_of_vmap_with_while_loops():
     # per-lane steps: lane 0 runs 4 steps (1, 3, 7, 15), lane 1 runs 2 (7, 15), lane 2 one (20)
     assert sorted(float(e.value) for e in outer) == [1.0, 3.0, 7.0, 7.0, 15.0, 15.0, 20.0]
     assert len(inner) == 4  # the batched loop itself: 4 iterations of all lanes
+
+
+def test_vmap_ships_all_lanes_in_one_hop_per_step(monkeypatch):
+    from jaxtap import _emit
+
+    hops = []
+    real = _emit._lanes
+
+    def counting(host, axis_size, batched):
+        inner = real(host, axis_size, batched)
+
+        def counted(*a):
+            hops.append(axis_size)
+            return inner(*a)
+
+        return counted
+
+    monkeypatch.setattr(_emit, "_lanes", counting)
+
+    def f(x):
+        return jax.lax.scan(lambda c, _: (c * 1.5 + 1.0, None), x, None, length=5)[0]
+
+    xs = jnp.arange(8, dtype=jnp.float32)
+    seen = []
+    out = sync(jax.vmap(tap.verbose(f, on_step=seen.append, select=lambda l: l[0]))(xs))
+    assert_bits(out, jax.vmap(f)(xs))
+    assert hops == [8] * 5
+    assert sorted((e.step, e.lane) for e in seen) == [(s, lane) for s in range(5) for lane in range(8)]
+    by = {(e.step, e.lane): float(e.value) for e in seen}
+    assert by[(0, 3)] == 3 * 1.5 + 1.0
+
+
+def test_vmapped_while_lanes_that_finished_emit_nothing():
+    def f(x):
+        return jax.lax.while_loop(lambda s: s < 10.0, lambda s: s + 4.0, x)
+
+    xs = jnp.array([0.0, 5.0, 9.0], jnp.float32)
+    seen = []
+    sync(jax.vmap(tap.verbose(f, on_step=seen.append, select=lambda l: l[0]))(xs))
+    per_lane = {lane: [float(e.value) for e in seen if e.lane == lane] for lane in range(3)}
+    assert per_lane == {0: [4.0, 8.0, 12.0], 1: [9.0, 13.0], 2: [13.0]}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_batching import custom_vmap
 
 from . import _seam
 from ._event import TapEvent
@@ -85,9 +86,12 @@ class Part:
 
 
 def make_host_fn(parts, layouts, guard: Guard, sample_every, flagged=False):
-    """The host half: rebuild each part's event and deliver it, never raising."""
+    """The host half: rebuild each part's event and deliver it, never raising.
 
-    def host(step, *arrays):
+    Returns ``host(step, [flag], *arrays, lane=None)``.
+    """
+
+    def host(step, *arrays, lane=None):
         try:
             if flagged:
                 # Under vmap a gating cond runs both branches for every lane:
@@ -108,14 +112,55 @@ def make_host_fn(parts, layouts, guard: Guard, sample_every, flagged=False):
                 it = iter(mine)
                 leaves = [static[i] if i in static else _to_host(next(it)) for i in range(n)]
                 value = jax.tree_util.tree_unflatten(treedef, leaves)
-                part.deliver(TapEvent(part.path, step, value, part.total, part.kind), part.top)
+                part.deliver(TapEvent(part.path, step, value, part.total, part.kind, lane), part.top)
             except Exception as exc:  # noqa: BLE001 - totality
                 guard.failed(exc)
 
     return host
 
 
-def emit(parts, guard, *, step, sample_every, valid=None):
+def _lanes(host, axis_size, batched):
+    """One host hop for every lane of a vmapped tap: split on the host."""
+
+    def host_all(*arrays):
+        arrays = [np.asarray(a) for a in arrays]
+        for lane in range(axis_size):
+            host(*[a[lane] if b else a for a, b in zip(arrays, batched)], lane=lane)
+
+    return host_all
+
+
+def hop(host, args, batched=True):
+    """Stage one ``jax.debug.callback`` of ``host(*args)``.
+
+    With ``batched``, under ``jax.vmap`` it stays ONE callback carrying every
+    lane (the host splits them) instead of one callback per lane; forward-mode
+    differentiation passes through it. Taps in code that reverse-mode
+    differentiation may transpose use the plain callback instead.
+    """
+    if not batched:
+        jax.debug.callback(host, *args)
+        return
+
+    @jax.custom_jvp
+    @custom_vmap
+    def _hop(*a):
+        jax.debug.callback(host, *a)
+        return ()
+
+    @_hop.def_vmap
+    def _hop_vmap(axis_size, in_batched, *a):
+        jax.debug.callback(_lanes(host, axis_size, list(in_batched)), *a)
+        return (), ()
+
+    @_hop.defjvp
+    def _hop_jvp(primals, tangents):
+        return _hop(*primals), ()
+
+    _hop(*args)
+
+
+def emit(parts, guard, *, step, sample_every, valid=None, batched_hop=True):
     """Stage one host hop at ``step`` carrying every part.
 
     Gated on device by ``valid`` when given, else by ``step % sample_every
@@ -132,7 +177,7 @@ def emit(parts, guard, *, step, sample_every, valid=None):
             operands.extend(dynamic)
             layouts.append((static, treedef, n, len(dynamic)))
         host = make_host_fn(parts, layouts, guard, sample_every, flagged)
-        jax.debug.callback(host, step, *flag, *operands)
+        hop(host, (step, *flag, *operands), batched_hop)
 
     if not flagged and sample_every == 1:
         fire(step)

@@ -26,6 +26,9 @@ class TapEvent:
         outside any loop.
     kind : str
         ``"carry"``, ``"output"`` (scan ``ys``) or ``"primitive"``.
+    lane : int or None
+        Under ``jax.vmap``, the lane (batch index) this event belongs to;
+        ``None`` when the shipped values were not batched.
 
     Examples
     --------
@@ -38,3 +41,9 @@ class TapEvent:
     value: Any
     total: Optional[int] = None
     kind: str = "carry"
+    lane: Optional[int] = None
+
+    def __repr__(self) -> str:
+        lane = "" if self.lane is None else f", lane={self.lane}"
+        return (f"TapEvent(path={self.path!r}, step={self.step!r}, value={self.value!r}, "
+                f"total={self.total!r}, kind={self.kind!r}{lane})")

@@ -69,15 +69,18 @@ class Counter:
 class Scope:
     """Where the walk is: address prefix, numbering, innermost loop's step."""
 
-    __slots__ = ("prefix", "counter", "in_loop", "step", "total", "top")
+    __slots__ = ("prefix", "counter", "in_loop", "step", "total", "top", "diff")
 
-    def __init__(self, prefix, counter, in_loop, step, total, top=None):
+    def __init__(self, prefix, counter, in_loop, step, total, top=None, diff=True):
         self.prefix = prefix
         self.counter = counter
         self.in_loop = in_loop
         self.step = step  # traced int32 of the innermost loop, or None
         self.total = total
         self.top = top  # (name, site) of the outermost segment of `prefix`
+        # False inside a runner, which JAX never differentiates: taps there may
+        # use the vmap-aware single hop (it has no transpose rule)
+        self.diff = diff
 
     def address(self, name, site):
         """(path, top) of the next `name` node at this level."""
@@ -86,8 +89,8 @@ class Scope:
             return f"{self.prefix}/{seg}", self.top
         return seg, (name, site)
 
-    def child(self, prefix, counter, step, total, top, in_loop=True):
-        return Scope(prefix, counter, in_loop, step, total, top)
+    def child(self, prefix, counter, step, total, top, in_loop=True, diff=None):
+        return Scope(prefix, counter, in_loop, step, total, top, self.diff if diff is None else diff)
 
 
 class Sinks:
@@ -172,7 +175,7 @@ class Walker:
 
         return _seam.trace_closed(fn, list(closed.in_avals) + list(extra_avals))
 
-    def emit_loop(self, wants, path, top, total, step, carry, ys=(), valid=None):
+    def emit_loop(self, wants, path, top, total, step, carry, ys=(), valid=None, batched_hop=True):
         """One hop for a loop step: its carry event and/or its ys event."""
         p = self.plan
         want_carry, want_ys = wants
@@ -184,7 +187,8 @@ class Walker:
             parts.append(Part(self.sinks.ys, path, top, total, "output",
                               lambda: run_select(p.select_ys, p.select_ys_path, ys, path, what="scan outputs (ys)")))
         if parts:
-            emit(parts, self.sinks.guard, step=step, sample_every=p.sample_every, valid=valid)
+            emit(parts, self.sinks.guard, step=step, sample_every=p.sample_every, valid=valid,
+                 batched_hop=batched_hop)
 
     def emit_prims(self, name, site, leaf_float, invals, outs, scope):
         """Primitive taps on one equation: one address, one hop per gate."""
@@ -201,19 +205,19 @@ class Walker:
             chosen = tuple(outs) if t.output is None else (outs[t.output],)
             part = Part(self.sinks.prims[i], path, top, scope.total, "primitive", _prim_payload(t, chosen, path))
             if t.mode == "nan":  # a tripwire crosses to the host only when it trips
-                self._emit_when(lax.bitwise_not(finite_flag(chosen)), sampled, part, step)
+                self._emit_when(lax.bitwise_not(finite_flag(chosen)), sampled, part, step, scope)
             else:
                 plain.append(part)
         if plain:
-            emit(plain, self.sinks.guard, step=step, sample_every=every)
+            emit(plain, self.sinks.guard, step=step, sample_every=every, batched_hop=not scope.diff)
         for i, t in births:
             born = lax.bitwise_and(finite_flag(invals), lax.bitwise_not(finite_flag(outs)))
             part = Part(self.sinks.prims[i], path, top, scope.total, "primitive", lambda: np.bool_(False))
-            self._emit_when(born, sampled, part, step)
+            self._emit_when(born, sampled, part, step, scope)
 
-    def _emit_when(self, flag, sampled, part, step):
+    def _emit_when(self, flag, sampled, part, step, scope):
         valid = flag if sampled is None else lax.bitwise_and(flag, sampled)
-        emit([part], self.sinks.guard, step=step, sample_every=1, valid=valid)
+        emit([part], self.sinks.guard, step=step, sample_every=1, valid=valid, batched_hop=not scope.diff)
 
 
 def _prim_payload(t: PrimTap, chosen, path):
@@ -284,16 +288,16 @@ def handle_scan(walker, eqn, params, invals, scope, site):
     if not emits and not walker.needs(body.jaxpr):
         return _bind(eqn, _seam.scan_p, invals, params)
 
-    def stepped_body(counter, *args):
-        child = scope.child(path, Counter(), counter, length, top)
+    def stepped_body(counter, *args, diff=False):
+        child = scope.child(path, Counter(), counter, length, top, diff=diff)
         return interpret(walker, body.jaxpr, body.consts, list(args), child)
 
     def in_body(*args):
         def fn(*a):
             consts, counter, rest = a[:nc], a[nc], a[nc + 1:]
-            outs = stepped_body(counter, *consts, *rest)
+            outs = stepped_body(counter, *consts, *rest, diff=True)
             if emits:
-                walker.emit_loop(wants, path, top, length, counter, outs[:ncar], outs[ncar:])
+                walker.emit_loop(wants, path, top, length, counter, outs[:ncar], outs[ncar:], batched_hop=False)
             return [lax.add(counter, _one())] + list(outs)
 
         avals = list(body.in_avals)

@@ -1,0 +1,481 @@
+"""``python -m jaxtap``: run an unmodified script under ``tap.record()``.
+
+Like ``python -m cProfile``: the script runs as ``__main__`` (``runpy``) with
+``sys.argv = [script, *args]`` and ``sys.path[0]`` set to its directory,
+inside one ``with tap.record(...)`` block configured from the options. The
+script's own output, exit code and traceback are left as Python would give
+them; the CLI adds only its options' output (``[tap]`` lines, progress bars,
+the summary) on stderr and the JSONL file.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import runpy
+import sys
+import threading
+import time
+from typing import Optional
+
+from ._collectors import FlightRecorder
+from . import _seam
+from ._version import __version__
+
+PROG = "python -m jaxtap"
+FAIL_PREFIX = "[tap] FAIL "
+DEMO_EXTRA = 'pip install "jax-tap[demo]"'
+
+DESCRIPTION = """\
+Run an unmodified Python script under jax-tap: every lax.scan / while_loop it
+executes (fori_loop, lax.map and library loops included) is observed live,
+and the program computes exactly what it computes without jax-tap.
+
+Options go before the script; everything after the script path is passed to
+the script untouched (sys.argv = [script, *args]). With no observation option
+(--progress, --watch-nan, --print, --jsonl), --summary is implied."""
+
+EPILOG = """\
+examples:
+  python -m jaxtap --progress train.py --lr 0.1
+      a live progress bar per outermost loop; --lr 0.1 goes to train.py
+  python -m jaxtap --watch-nan solve.py
+      report where the first NaN/Inf is born (primitive, address, step)
+  python -m jaxtap --watch-nan log --print cholesky solve.py
+      alert on non-finite log outputs, print every cholesky output
+  python -m jaxtap --summary --jsonl run.jsonl --sample-every 10 sim.py
+      stream every 10th step to run.jsonl (read it with tap.read_jsonl),
+      then print events per address, alerts and the compile/execute split
+
+notes:
+  --watch-nan takes PRIM only when the next word looks like a primitive name
+  (letters, digits, _) and is not the script; write --watch-nan=PRIM to be
+  explicit, or put `--` before the script path.
+  jax is imported before the script runs: set JAX_* environment variables
+  (JAX_PLATFORMS, JAX_ENABLE_X64, ...) in the shell, or use
+  jax.config.update() in the script, not os.environ inside the script.
+  Exit status: the script's own; 1 if it raised; 2 for bad options."""
+
+# options that always take a value / that may take one (see _split_argv)
+_VALUE_OPTS = {"--print", "--sample-every", "--max-depth", "--jsonl"}
+_OPTIONAL_VALUE_OPTS = {"--watch-nan"}
+_PRIM_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+# ------------------------------------------------------------------ parsing
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (1 = every step), got {text!r}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (0 = outermost loops only), got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--progress", action="store_true",
+                   help="show a live tqdm bar per outermost loop (a known total for scans, a running "
+                        "count for while loops); needs tqdm (" + DEMO_EXTRA + ")")
+    p.add_argument("--watch-nan", metavar="PRIM", nargs="?", action="append", const=None,
+                   help="alert live ([tap] FAIL lines) when PRIM's output is not finite; without PRIM, "
+                        "report the NaN/Inf birth site (the first equation whose inputs are finite and "
+                        "output is not). Repeatable")
+    p.add_argument("--print", metavar="PRIM", action="append", dest="print",
+                   help="print every output of primitive PRIM as it happens ([tap] lines). Repeatable")
+    p.add_argument("--sample-every", metavar="N", type=_positive_int, default=1,
+                   help="observe only steps whose index is a multiple of N (gated on device; "
+                        "also applies to --watch-nan/--print inside loops). Default 1")
+    p.add_argument("--max-depth", metavar="N", type=_nonneg_int, default=None,
+                   help="observe loop carries only down to nesting depth N (0 = outermost loops); "
+                        "primitive taps are not limited")
+    p.add_argument("--jsonl", metavar="FILE",
+                   help="stream every event (loop carries and primitive taps) to FILE as JSON lines, "
+                        "flushed per line; the file is overwritten. Read it with tap.read_jsonl(FILE)")
+    p.add_argument("--no-values", action="store_true",
+                   help="with --jsonl, record only path/step/total of loop events instead of every "
+                        "carry leaf (much less data for big carries)")
+    p.add_argument("--summary", action="store_true",
+                   help="at the end, print to stderr: events per address (count, kind, last step), "
+                        "alerts fired, and the time to the first event (start-up, tracing, compilation) "
+                        "vs from the first event to the end (execution)")
+    p.add_argument("--version", action="version", version=f"%(prog)s (jax-tap {__version__})")
+    p.add_argument("script", help="path of the Python script to run (as __main__)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script untouched")
+    return p
+
+
+def _looks_like_prim(word: str, is_last: bool) -> bool:
+    """Is `word`, right after a bare --watch-nan, its PRIM (not the script)?"""
+    if is_last or not _PRIM_NAME.match(word):
+        return False  # the script is required, so the last word is the script
+    if os.path.isfile(word):
+        return _seam.primitive_named(word) is not None
+    return True
+
+
+def _split_argv(argv):
+    """Split argv into (options, script or None, script args): option parsing
+    stops at the first word that is not an option or an option's value."""
+    opts, i = [], 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            rest = argv[i + 1:]
+            return opts, (rest[0] if rest else None), rest[1:]
+        if word.startswith("-") and word != "-":
+            opts.append(word)
+            name, eq, _ = word.partition("=")
+            if not eq and i + 1 < len(argv):
+                nxt = argv[i + 1]
+                if name in _VALUE_OPTS or (name in _OPTIONAL_VALUE_OPTS
+                                           and _looks_like_prim(nxt, is_last=i + 2 == len(argv))):
+                    opts.append(nxt)
+                    i += 1
+            i += 1
+            continue
+        return opts, word, argv[i + 1:]
+    return opts, None, []
+
+
+def parse_args(argv):
+    parser = build_parser()
+    opts, script, script_args = _split_argv(list(argv))
+    ns = parser.parse_args(opts + ["--", "" if script is None else script])  # -h, --version exit here
+    if script is None:
+        parser.error("no script given: python -m jaxtap [options] script.py [script args]")
+    ns.args = list(script_args)
+    return parser, ns
+
+
+# ------------------------------------------------------------------ sinks
+class _Sink(FlightRecorder):
+    """The block's recorder: counts events per address and streams them to
+    JSONL; keeps none in memory (a long run stays small)."""
+
+    def __init__(self, writer=None):
+        super().__init__(maxlen=1)
+        self.writer = writer
+        self.first = None  # perf_counter() of the first event
+        self.stats = {}  # (path, kind) -> [count, last step, total], first-seen order
+        self._stats_lock = threading.Lock()
+
+    def append(self, event) -> None:
+        try:
+            now = time.perf_counter()
+            with self._stats_lock:
+                if self.first is None:
+                    self.first = now
+                s = self.stats.get((event.path, event.kind))
+                if s is None:
+                    s = self.stats[(event.path, event.kind)] = [0, event.step, event.total]
+                s[0] += 1
+                s[1], s[2] = event.step, event.total
+            if self.writer is not None:
+                self.writer(event)  # JSONLWriter guards itself
+        except Exception:  # noqa: BLE001 - telemetry must never disturb the script
+            pass
+
+    __call__ = append
+
+    def __len__(self) -> int:
+        with self._stats_lock:
+            return sum(s[0] for s in self.stats.values())
+
+
+class _Progress:
+    """on_step consumer: one tqdm bar per outermost (depth-0) loop address.
+
+    A loop re-run from the same source line keeps its address and restarts
+    at step 0: its bar resets and counts calls in the postfix.
+    """
+
+    def __init__(self, tqdm_cls, stream):
+        self._tqdm = tqdm_cls
+        self._stream = stream
+        self._bars = {}  # path -> [bar, calls]
+        self._lock = threading.Lock()
+
+    def __call__(self, event) -> None:
+        if "/" in event.path or event.kind != "carry":
+            return
+        n = event.step + 1
+        with self._lock:
+            entry = self._bars.get(event.path)
+            if entry is None:
+                bar = self._tqdm(desc=event.path, total=event.total, file=self._stream, unit="step",
+                                 dynamic_ncols=True, leave=True)
+                entry = self._bars[event.path] = [bar, 1]
+            bar = entry[0]
+            if n < bar.n:  # the loop started again
+                entry[1] += 1
+                bar.set_postfix_str(f"call {entry[1]}", refresh=False)
+                bar.reset(total=event.total)
+            if n > bar.n:
+                bar.update(n - bar.n)
+
+    @property
+    def active(self) -> bool:
+        return bool(self._bars)
+
+    def close(self, completed: bool) -> None:
+        """Close every bar; `completed`: the block exited without an error,
+        so every scan that started ran to its end (fill sampled bars)."""
+        with self._lock:
+            for bar, _ in self._bars.values():
+                try:
+                    if completed and bar.total is not None and bar.n < bar.total:
+                        bar.update(bar.total - bar.n)
+                    bar.close()
+                except Exception:  # noqa: BLE001
+                    pass
+            self._bars.clear()
+
+
+class _StderrTap:
+    """Stands in for ``sys.stderr`` while the script runs: counts
+    ``[tap] FAIL`` lines (also split over writes) and, while progress bars
+    are shown, writes whole lines around them instead of through them.
+    Everything else is delegated to the real stream."""
+
+    def __init__(self, stream, progress: Optional[_Progress] = None, tqdm_cls=None):
+        self._stream = stream
+        self._progress = progress
+        self._tqdm = tqdm_cls
+        self._lock = threading.Lock()
+        self._tail = ""
+        self._partial = ""
+        self.fails = 0
+
+    def _count(self, text: str) -> None:
+        with self._lock:
+            data = self._tail + text
+            self.fails += data.count(FAIL_PREFIX)
+            self._tail = data[-(len(FAIL_PREFIX) - 1):]
+
+    def write(self, text):
+        if not isinstance(text, str):
+            return self._stream.write(text)  # let the real stream raise its own TypeError
+        self._count(text)
+        if self._progress is None or not self._progress.active:
+            with self._lock:
+                pending, self._partial = self._partial, ""
+            if pending:
+                self._stream.write(pending)
+            return self._stream.write(text)
+        # line-buffer around the bars: clear them, write whole lines, redraw
+        with self._lock:
+            data = self._partial + text
+            cut = data.rfind("\n") + 1
+            lines, self._partial = data[:cut], data[cut:]
+        if lines:
+            with self._tqdm.external_write_mode(file=self._stream):
+                self._stream.write(lines)
+                self._stream.flush()
+        return len(text)
+
+    def writelines(self, lines):
+        for line in lines:
+            self.write(line)
+
+    def flush(self):
+        with self._lock:
+            pending, self._partial = self._partial, ""
+        if pending:
+            self._stream.write(pending)
+        return self._stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _no_loops(path):  # `where` when no option needs loop carries
+    return False
+
+
+def _steps_only(leaves):  # `select`: only path/step/total cross to the host
+    return ()
+
+
+# ------------------------------------------------------------------ summary
+def _format_summary(script, sink, fails, t0, t_end, outcome) -> str:
+    lines = [f"[jax-tap] summary: {script} ({outcome})"]
+    if sink.stats:
+        rows = [(path, kind, str(c), f"{step}/{'?' if total is None else total}")
+                for (path, kind), (c, step, total) in sink.stats.items()]
+        head = ("address", "kind", "events", "last step")
+        w = [max(len(r[i]) for r in rows + [head]) for i in range(4)]
+        lines.append(f"  {head[0]:<{w[0]}}  {head[1]:<{w[1]}}  {head[2]:>{w[2]}}  {head[3]}")
+        for r in rows:
+            lines.append(f"  {r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:>{w[2]}}  {r[3]}")
+        lines.append(f"  events: {len(sink)} at {len(sink.stats)} addresses")
+    else:
+        lines.append("  no events: no tapped loop or primitive ran inside the block "
+                     "(work on other threads is not tapped)")
+    lines.append(f"  alerts fired ([tap] FAIL lines): {fails}")
+    total = t_end - t0
+    if sink.first is not None:
+        lines.append(f"  time to first event: {sink.first - t0:9.3f} s  (start-up, tracing, compilation)")
+        lines.append(f"  first event to end:  {t_end - sink.first:9.3f} s  (execution)")
+    lines.append(f"  total:               {total:9.3f} s")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------ running
+def _script_traceback(tb):
+    """Drop the leading frames of this module and runpy, which Python's own
+    traceback of ``python script.py`` does not show."""
+    while tb is not None and tb.tb_frame.f_globals.get("__name__") in (__name__, "runpy"):
+        tb = tb.tb_next
+    return tb
+
+
+def _print_exception(exc, tb) -> None:
+    exc.__traceback__ = tb
+    try:
+        sys.excepthook(type(exc), exc, tb)
+    except Exception:  # noqa: BLE001 - a broken hook: print as Python's default would
+        import traceback
+        traceback.print_exception(type(exc), exc, tb)
+
+
+def _say(stream, text: str) -> None:
+    try:
+        stream.write(text)
+        stream.flush()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def main(argv=None) -> int:
+    """Entry point of ``python -m jaxtap``; returns the exit status (the
+    script's own SystemExit code is returned unchanged)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser, ns = parse_args(argv)
+    script = ns.script
+
+    # ---- validate everything before running anything (exit 2)
+    if not os.path.exists(script):
+        parser.error(f"can't open file {script!r}: no such file or directory")
+    if os.path.isdir(script) and not os.path.isfile(os.path.join(script, "__main__.py")):
+        parser.error(f"can't find '__main__.py' in directory {script!r}")
+    if os.path.isfile(script):
+        try:
+            open(script, "rb").close()
+        except OSError as exc:
+            parser.error(f"can't open file {script!r}: {exc.strerror}")
+    if not (ns.progress or ns.watch_nan or ns.print or ns.jsonl or ns.summary):
+        ns.summary = True
+    tqdm_cls = None
+    if ns.progress:
+        try:
+            from tqdm import tqdm as tqdm_cls
+        except ImportError:
+            parser.error(f"--progress needs tqdm, which is not installed: {DEMO_EXTRA}")
+
+    import jaxtap as tap
+
+    taps = []
+    try:
+        taps += [tap.watch_nan(prim) for prim in (ns.watch_nan or [])]
+        taps += [tap.print(prim) for prim in (ns.print or [])]
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+
+    wants_carry = ns.progress or ns.summary or bool(ns.jsonl)
+    max_depth = ns.max_depth
+    if ns.progress and not (ns.summary or ns.jsonl) and max_depth is None:
+        max_depth = 0  # bars need the outermost loops only
+    cfg = dict(taps=taps, sample_every=ns.sample_every, max_depth=max_depth,
+               select=None if (ns.jsonl and not ns.no_values) else _steps_only)
+    if not wants_carry:
+        cfg["where"] = _no_loops
+
+    real_stderr = sys.stderr
+    progress = _Progress(tqdm_cls, real_stderr) if ns.progress else None
+    if progress is not None:
+        cfg["on_step"] = progress
+
+    writer = None
+    if ns.jsonl:
+        try:
+            open(ns.jsonl, "w", encoding="utf-8").close()  # overwrite; fail here, not mid-run
+        except OSError as exc:
+            parser.error(f"--jsonl: can't write {ns.jsonl!r}: {exc.strerror or exc}")
+        writer = tap.JSONLWriter(ns.jsonl)
+    sink = _Sink(writer)
+    try:
+        block = tap.TapContext(recorder=sink, **cfg)
+    except (TypeError, ValueError) as exc:
+        if writer is not None:
+            writer.close()
+        parser.error(str(exc))
+
+    # ---- run the script as __main__, like `python script.py`
+    sys.argv = [script, *ns.args]
+    if not sys.flags.safe_path:
+        # a file: its directory, as `python script.py` does; a directory or zip: itself
+        where = os.path.dirname(os.path.realpath(script)) if os.path.isfile(script) else script
+        if sys.path:
+            sys.path[0] = where
+        else:
+            sys.path.insert(0, where)
+    err_tap = _StderrTap(real_stderr, progress, tqdm_cls) if real_stderr is not None else None
+    if err_tap is not None:
+        sys.stderr = err_tap
+
+    error = None  # an exception the script raised (not SystemExit)
+    code = 0
+    t0 = time.perf_counter()
+    try:
+        try:
+            with block:
+                runpy.run_path(os.path.abspath(script), run_name="__main__")
+        except SystemExit as exc:
+            code = exc.code
+        except BaseException as exc:  # noqa: BLE001 - reported as Python would, below
+            error = exc
+    finally:
+        t_end = time.perf_counter()
+        if progress is not None:
+            progress.close(completed=error is None)
+        if err_tap is not None:
+            try:
+                err_tap.flush()
+            except Exception:  # noqa: BLE001
+                pass
+            if sys.stderr is err_tap:
+                sys.stderr = real_stderr
+        if writer is not None:
+            writer.close()
+
+    if error is not None:
+        _print_exception(error, _script_traceback(error.__traceback__))
+        code = 130 if isinstance(error, KeyboardInterrupt) else 1
+    if ns.summary:
+        if error is not None:
+            outcome = f"raised {type(error).__name__}, exit code {code}"
+        elif code is None or isinstance(code, int):
+            outcome = f"exit code {int(code or 0)}"
+        else:
+            outcome = "exit code 1"  # SystemExit("message")
+        fails = err_tap.fails if err_tap is not None else 0
+        try:
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001
+            pass
+        _say(real_stderr if real_stderr is not None else sys.__stderr__,
+             _format_summary(script, sink, fails, t0, t_end, outcome))
+    return code

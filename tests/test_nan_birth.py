@@ -70,3 +70,19 @@ def test_birth_in_the_backward_pass_is_found_by_tapping_grad(capfd):
     sync(tap.verbose(jax.grad(loss), taps=[tap.watch_nan()])(jnp.float32(0.0)))
     found = lines(capfd.readouterr().err)
     assert len(found) == 1 and "born here" in found[0]
+
+
+def test_birth_watch_with_prng_key_carry(capfd):
+    def f(key, x):
+        def body(c, _):
+            k, v = c
+            k, sub = jax.random.split(k)
+            return (k, jnp.log(v - 1.0 + jax.random.uniform(sub) * 0.0)), None
+        return jax.lax.scan(body, (key, x), None, length=3)
+
+    seen = []
+    with tap.record(taps=[tap.watch_nan()], on_step=seen.append):
+        sync(f(jax.random.key(0), jnp.float32(2.5)))
+    assert len(seen) == 3
+    found = lines(capfd.readouterr().err)
+    assert len(found) == 1 and found[0].startswith("[tap] FAIL scan[0]/log[0] ") and "born here" in found[0]

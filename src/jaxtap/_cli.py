@@ -286,6 +286,11 @@ class _StderrTap:
                 self._stream.flush()
         return len(text)
 
+    @property
+    def midline(self) -> bool:
+        """The last text written through this stream did not end a line."""
+        return bool(self._tail) and not self._tail.endswith("\n")
+
     def writelines(self, lines):
         for line in lines:
             self.write(line)
@@ -476,6 +481,8 @@ def main(argv=None) -> int:
             sys.stdout.flush()
         except Exception:  # noqa: BLE001
             pass
-        _say(real_stderr if real_stderr is not None else sys.__stderr__,
-             _format_summary(script, sink, fails, t0, t_end, outcome))
+        text = _format_summary(script, sink, fails, t0, t_end, outcome)
+        if err_tap is not None and err_tap.midline:
+            text = "\n" + text  # the script left stderr mid-line
+        _say(real_stderr if real_stderr is not None else sys.__stderr__, text)
     return code

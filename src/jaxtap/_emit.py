@@ -71,22 +71,48 @@ def _split_payload(value):
     return dynamic, static, treedef, len(leaves)
 
 
-class Part:
-    """One event a tap ships at a step: where it goes and how it is built."""
+class Meta:
+    """Where one event of a tap goes (the host side of one part of a hop)."""
 
-    __slots__ = ("deliver", "path", "top", "total", "kind", "payload_fn")
+    __slots__ = ("deliver", "path", "top", "total", "kind")
 
-    def __init__(self, deliver, path, top, total, kind, payload_fn):
+    def __init__(self, deliver, path, top, total, kind):
         self.deliver = deliver  # deliver(event, top), host side
         self.path = path
         self.top = top
         self.total = total
         self.kind = kind
-        self.payload_fn = payload_fn  # () -> device-side value (the select)
 
 
-def make_host_fn(parts, layouts, guard: Guard, sample_every, flagged=False):
-    """The host half: rebuild each part's event and deliver it, never raising.
+def _split_all(values):
+    """Flatten several payload values into operands plus host layouts."""
+    operands, layouts = [], []
+    for value in values:
+        dynamic, static, treedef, n = _split_payload(value)
+        operands.extend(dynamic)
+        layouts.append((static, treedef, n, len(dynamic)))
+    return operands, layouts
+
+
+def _deliver_row(metas, layouts, guard, step, arrays, row, lane):
+    offset = 0
+    for meta, (static, treedef, n, n_dyn) in zip(metas, layouts):
+        mine, offset = arrays[offset:offset + n_dyn], offset + n_dyn
+        try:
+            it = iter(mine)
+            leaves = [static[i] if i in static else _to_host(_row(next(it), row)) for i in range(n)]
+            value = jax.tree_util.tree_unflatten(treedef, leaves)
+            meta.deliver(TapEvent(meta.path, step, value, meta.total, meta.kind, lane), meta.top)
+        except Exception as exc:  # noqa: BLE001 - totality
+            guard.failed(exc)
+
+
+def _row(x, row):
+    return x if row is None else np.asarray(x)[row]
+
+
+def make_host_fn(metas, layouts, guard: Guard, sample_every, flagged=False):
+    """The host half of a per-step hop: rebuild each event, never raising.
 
     Returns ``host(step, [flag], *arrays, lane=None)``.
     """
@@ -105,16 +131,23 @@ def make_host_fn(parts, layouts, guard: Guard, sample_every, flagged=False):
         except Exception as exc:  # noqa: BLE001 - totality
             guard.failed(exc)
             return
-        offset = 0
-        for part, (static, treedef, n, n_dyn) in zip(parts, layouts):
-            mine, offset = arrays[offset:offset + n_dyn], offset + n_dyn
-            try:
-                it = iter(mine)
-                leaves = [static[i] if i in static else _to_host(next(it)) for i in range(n)]
-                value = jax.tree_util.tree_unflatten(treedef, leaves)
-                part.deliver(TapEvent(part.path, step, value, part.total, part.kind, lane), part.top)
-            except Exception as exc:  # noqa: BLE001 - totality
-                guard.failed(exc)
+        _deliver_row(metas, layouts, guard, step, arrays, None, lane)
+
+    return host
+
+
+def make_buffer_host(metas, layouts, guard: Guard):
+    """The host half of a buffered hop: ``count`` rows, delivered in order."""
+
+    def host(count, steps, *arrays, lane=None):
+        try:
+            count = int(np.asarray(count))
+            steps = np.asarray(steps)
+        except Exception as exc:  # noqa: BLE001
+            guard.failed(exc)
+            return
+        for row in range(count):
+            _deliver_row(metas, layouts, guard, int(steps[row]), arrays, row, lane)
 
     return host
 
@@ -160,23 +193,19 @@ def hop(host, args, batched=True):
     _hop(*args)
 
 
-def emit(parts, guard, *, step, sample_every, valid=None, batched_hop=True):
-    """Stage one host hop at ``step`` carrying every part.
+def emit(metas, payloads, guard, *, step, sample_every, valid=None, batched_hop=True):
+    """Stage one host hop at ``step`` carrying one event per meta.
 
     Gated on device by ``valid`` when given, else by ``step % sample_every
-    == 0``. Each part's ``payload_fn()`` (the user's select) is only traced
-    inside the gated branch, so steps that do not fire never run it. A carry
-    tap and a y-tap of one loop share this one hop.
+    == 0``. ``payloads()`` (the users' selects) is only traced inside the
+    gated branch, so steps that do not fire never run it. A carry tap and a
+    y-tap of one loop share this one hop.
     """
     flagged = valid is not None
 
     def fire(step, *flag):
-        operands, layouts = [], []
-        for part in parts:
-            dynamic, static, treedef, n = _split_payload(part.payload_fn())
-            operands.extend(dynamic)
-            layouts.append((static, treedef, n, len(dynamic)))
-        host = make_host_fn(parts, layouts, guard, sample_every, flagged)
+        operands, layouts = _split_all(payloads())
+        host = make_host_fn(metas, layouts, guard, sample_every, flagged)
         hop(host, (step, *flag, *operands), batched_hop)
 
     if not flagged and sample_every == 1:
@@ -193,9 +222,57 @@ def emit(parts, guard, *, step, sample_every, valid=None, batched_hop=True):
         jax.lax.cond(step % sample_every == 0, gated, lambda *_: (), step)
 
 
+class Buffer:
+    """Device-side buffering of ``capacity`` sampled steps per host hop.
+
+    The loop's driver writes each sampled step's payloads into fixed-size
+    buffers carried by an effect-free loop, and :meth:`flush` ships them in
+    one callback; the host delivers ordinary TapEvents, one per row, in step
+    order.
+    """
+
+    def __init__(self, metas, payloads, observe, capacity, guard):
+        self.metas, self.payloads, self.observe = metas, payloads, observe
+        self.capacity, self.guard = capacity, guard
+        self.layouts, self.shapes = None, None
+
+    def _dynamic(self, last, state):
+        carry, ys = self.observe(last, state)
+        operands, layouts = _split_all(self.payloads(carry, ys))
+        self.layouts = layouts
+        return operands
+
+    def prepare(self, state):
+        specs = [_seam.spec_of(_seam.abstractify(x)) for x in state]
+        self.shapes = jax.eval_shape(lambda *st: self._dynamic(np.int32(0), list(st)), *specs)
+
+    def empty(self):
+        bufs = [jnp.zeros((self.capacity, *s.shape), s.dtype) for s in self.shapes]
+        return [jnp.zeros((self.capacity,), jnp.int32), *bufs]
+
+    def write(self, fired, j, step, state, bufs):
+        def put(j, bufs):
+            values = self._dynamic(step, state)
+            steps = _seam.update_index_in_dim(bufs[0], step, j)
+            return (jax.lax.add(j, np.int32(1)), steps,
+                    *[_seam.update_index_in_dim(b, v, j) for b, v in zip(bufs[1:], values)])
+
+        out = jax.lax.cond(fired, put, lambda j, bufs: (j, *bufs), j, bufs)
+        return out[0], list(out[1:])
+
+    def flush(self, count, bufs):
+        host = make_buffer_host(self.metas, self.layouts, self.guard)
+
+        def ship(count, *bufs):
+            hop(host, (count, *bufs))
+            return ()
+
+        jax.lax.cond(jax.lax.gt(count, np.int32(0)), ship, lambda *_: (), count, *bufs)
+
+
 def finite_flag(outs):
     """One bool on device: are all floating outputs finite?"""
-    flags = [jnp.all(jnp.isfinite(o)) for o in outs if jnp.issubdtype(o.dtype, jnp.inexact)]
+    flags = [jnp.all(jnp.isfinite(o)) for o in outs if _seam._is_inexact(getattr(o, "dtype", None))]
     if not flags:
         return jnp.bool_(True)
     out = flags[0]

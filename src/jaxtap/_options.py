@@ -55,6 +55,17 @@ def check_sample_every(k) -> int:
     return k
 
 
+def check_flush_every(k) -> Optional[int]:
+    if k is None:
+        return None
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(
+            f"jax-tap: `flush_every` must be None or a positive int, got {k!r}. "
+            "flush_every=100 buffers 100 sampled steps on device per host hop."
+        )
+    return k
+
+
 def check_max_depth(d) -> Optional[int]:
     if d is None:
         return None
@@ -130,13 +141,14 @@ class Plan:
     select_ys: Optional[Callable] = None
     emit_ys: bool = False
     select_ys_path: Any = False
+    flush_every: Optional[int] = None
 
     def fingerprint(self):
         return (
             fingerprint(self.select), self.sample_every, tuple(sorted(self.kinds)),
             fingerprint(self.where), self.max_depth, self.emit_carry,
             tuple(t.fingerprint() for t in self.prim_taps),
-            fingerprint(self.select_ys), self.emit_ys,
+            fingerprint(self.select_ys), self.emit_ys, self.flush_every,
         )
 
     @property
@@ -153,7 +165,7 @@ class Plan:
 
 
 def build_plan(*, select, sample_every, ops, where, max_depth, taps, emit_carry,
-               select_ys=None, emit_ys=False) -> Plan:
+               select_ys=None, emit_ys=False, flush_every=None) -> Plan:
     _check_callable("select", select)
     _check_callable("select_ys", select_ys)
     _check_callable("where", where)
@@ -180,6 +192,7 @@ def build_plan(*, select, sample_every, ops, where, max_depth, taps, emit_carry,
         select_ys=select_ys,
         emit_ys=emit_ys,
         select_ys_path=select_wants_path(select_ys) if select_ys is not None else False,
+        flush_every=check_flush_every(flush_every),
     )
 
 

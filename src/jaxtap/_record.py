@@ -329,7 +329,7 @@ class TapContext:
 
 def record(fn=None, /, *, on_step=None, select=None, alert=None, alert_once=False, ops=("scan", "while_loop"),
            sample_every=1, where=None, max_depth=None, taps=(), select_ys=None, on_ys=None, alert_ys=None,
-           alert_ys_once=False, maxlen=None):
+           alert_ys_once=False, flush_every=None, maxlen=None):
     """Record loop telemetry: as a with-block around unmodified code, or by
     wrapping a function.
 
@@ -361,7 +361,7 @@ def record(fn=None, /, *, on_step=None, select=None, alert=None, alert_once=Fals
     rec = FlightRecorder(maxlen=maxlen)
     cfg = dict(on_step=on_step, select=select, alert=alert, alert_once=alert_once, ops=ops,
                sample_every=sample_every, where=where, max_depth=max_depth, taps=taps, select_ys=select_ys,
-               on_ys=on_ys, alert_ys=alert_ys, alert_ys_once=alert_ys_once)
+               on_ys=on_ys, alert_ys=alert_ys, alert_ys_once=alert_ys_once, flush_every=flush_every)
     if fn is None:
         return TapContext(recorder=rec, **cfg)
     return make_tapped(fn, recorder=rec, **cfg), rec

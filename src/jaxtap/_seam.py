@@ -166,12 +166,12 @@ def open_with_const_inputs(closed):
 
 def trace_closed(fn: Callable, in_avals: Sequence[Any]) -> ClosedJaxpr:
     """Trace ``fn(*flat_args) -> list`` over abstract values to a ClosedJaxpr."""
-    specs = [_spec_of(a) for a in in_avals]
+    specs = [spec_of(a) for a in in_avals]
     closed = jax.make_jaxpr(lambda *a: list(fn(*a)))(*specs)
     return closed
 
 
-def _spec_of(aval):
+def spec_of(aval):
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
 
 
@@ -428,7 +428,14 @@ def is_leaf_float_eqn(eqn) -> bool:
     """A primitive (no sub-jaxprs) with a floating-point or complex output."""
     if subjaxprs_of(eqn.params):
         return False
-    return any(np.issubdtype(getattr(v.aval, "dtype", np.int32), np.inexact) for v in eqn.outvars)
+    return any(_is_inexact(getattr(v.aval, "dtype", None)) for v in eqn.outvars)
+
+
+def _is_inexact(dtype) -> bool:
+    try:
+        return dtype is not None and bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
+    except TypeError:  # extended dtypes (PRNG keys) are never NaN
+        return False
 
 
 def collect_names(jaxpr, out=None) -> dict:

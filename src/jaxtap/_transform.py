@@ -25,7 +25,7 @@ import numpy as np
 from jax import lax
 
 from . import _seam
-from ._emit import Part, emit, finite_flag, run_select
+from ._emit import Buffer, Meta, emit, finite_flag, run_select
 from ._options import Plan, PrimTap
 
 _INT32 = None
@@ -175,20 +175,27 @@ class Walker:
 
         return _seam.trace_closed(fn, list(closed.in_avals) + list(extra_avals))
 
+    def loop_parts(self, wants, path, top, total):
+        """The events one loop step ships: (metas, payloads(carry, ys))."""
+        p = self.plan
+        metas, selects = [], []
+        if wants[0]:
+            metas.append(Meta(self.sinks.carry, path, top, total, "carry"))
+            selects.append(lambda carry, ys: run_select(p.select, p.select_path, carry, path))
+        if wants[1]:
+            metas.append(Meta(self.sinks.ys, path, top, total, "output"))
+            selects.append(lambda carry, ys: run_select(p.select_ys, p.select_ys_path, ys, path,
+                                                        what="scan outputs (ys)"))
+        return metas, lambda carry, ys: [sel(carry, ys) for sel in selects]
+
     def emit_loop(self, wants, path, top, total, step, carry, ys=(), valid=None, batched_hop=True):
         """One hop for a loop step: its carry event and/or its ys event."""
-        p = self.plan
-        want_carry, want_ys = wants
-        parts = []
-        if want_carry:
-            parts.append(Part(self.sinks.carry, path, top, total, "carry",
-                              lambda: run_select(p.select, p.select_path, carry, path)))
-        if want_ys and ys:
-            parts.append(Part(self.sinks.ys, path, top, total, "output",
-                              lambda: run_select(p.select_ys, p.select_ys_path, ys, path, what="scan outputs (ys)")))
-        if parts:
-            emit(parts, self.sinks.guard, step=step, sample_every=p.sample_every, valid=valid,
-                 batched_hop=batched_hop)
+        if wants[1] and not ys:
+            wants = (wants[0], False)  # a body returning (carry, None) has no outputs
+        metas, payloads = self.loop_parts(wants, path, top, total)
+        if metas:
+            emit(metas, lambda: payloads(carry, ys), self.sinks.guard, step=step,
+                 sample_every=self.plan.sample_every, valid=valid, batched_hop=batched_hop)
 
     def emit_prims(self, name, site, leaf_float, invals, outs, scope):
         """Primitive taps on one equation: one address, one hop per gate."""
@@ -200,24 +207,27 @@ class Walker:
         step = scope.step if scope.step is not None else np.int32(0 if not scope.in_loop else -1)
         every = self.plan.sample_every if scope.step is not None else 1
         sampled = None if every == 1 else lax.eq(lax.rem(step, np.int32(every)), np.int32(0))
-        plain = []
+        metas, payloads = [], []
         for i, t in taps:
             chosen = tuple(outs) if t.output is None else (outs[t.output],)
-            part = Part(self.sinks.prims[i], path, top, scope.total, "primitive", _prim_payload(t, chosen, path))
+            meta = Meta(self.sinks.prims[i], path, top, scope.total, "primitive")
             if t.mode == "nan":  # a tripwire crosses to the host only when it trips
-                self._emit_when(lax.bitwise_not(finite_flag(chosen)), sampled, part, step, scope)
+                self._emit_when(lax.bitwise_not(finite_flag(chosen)), sampled, meta, step, scope)
             else:
-                plain.append(part)
-        if plain:
-            emit(plain, self.sinks.guard, step=step, sample_every=every, batched_hop=not scope.diff)
+                metas.append(meta)
+                payloads.append(_prim_payload(t, chosen, path))
+        if metas:
+            emit(metas, lambda: [pf() for pf in payloads], self.sinks.guard, step=step, sample_every=every,
+                 batched_hop=not scope.diff)
         for i, t in births:
             born = lax.bitwise_and(finite_flag(invals), lax.bitwise_not(finite_flag(outs)))
-            part = Part(self.sinks.prims[i], path, top, scope.total, "primitive", lambda: np.bool_(False))
-            self._emit_when(born, sampled, part, step, scope)
+            meta = Meta(self.sinks.prims[i], path, top, scope.total, "primitive")
+            self._emit_when(born, sampled, meta, step, scope)
 
-    def _emit_when(self, flag, sampled, part, step, scope):
+    def _emit_when(self, flag, sampled, meta, step, scope):
         valid = flag if sampled is None else lax.bitwise_and(flag, sampled)
-        emit([part], self.sinks.guard, step=step, sample_every=1, valid=valid, batched_hop=not scope.diff)
+        emit([meta], lambda: [np.bool_(False)], self.sinks.guard, step=step, sample_every=1, valid=valid,
+             batched_hop=not scope.diff)
 
 
 def _prim_payload(t: PrimTap, chosen, path):
@@ -321,39 +331,98 @@ def _next_stop(i, k):
     return lax.add(lax.mul(lax.div(lax.add(i, lax.sub(k, _one())), k), k), _one())
 
 
+def _drive(walker, wants, path, top, total, state, run_until, alive, observe, uniform):
+    """The driver: run the effect-free runner up to each sampled step, emit.
+
+    ``run_until(i, stop, state) -> (i2, state2)`` runs user steps
+    ``i .. stop-1`` (fewer if the loop ends); ``alive(i, state)`` says whether
+    the loop goes on; ``observe(last, state) -> (carry, ys)`` gives what a
+    step's tap sees. ``uniform``: every runner call ends on a sampled step
+    unless the loop ended (a scan), so sample_every=1 needs no gate. With
+    ``flush_every=K``, K sampled steps are buffered on device and cross in
+    one hop.
+    """
+    plan = walker.plan
+    every, flush = plan.sample_every, plan.flush_every
+    metas, payloads = walker.loop_parts(wants, path, top, total)
+    n_state = len(state)
+
+    def advance(i, k, st):
+        i2, st2 = run_until(i, _next_stop(i, k), st)
+        last = lax.sub(i2, _one())
+        fired = lax.bitwise_and(lax.gt(i2, i), lax.eq(lax.rem(last, k), np.int32(0)))
+        return i2, list(st2), last, fired
+
+    # The sampling period enters as a runtime value so XLA cannot prove the
+    # runner's trip count and fold it into the driver.
+    k0 = _seam.optimization_barrier(np.int32(every))
+
+    if flush is None:
+        def d_body(s):
+            i, k, st = s[0], s[1], list(s[3:])
+            i2, st2, last, fired = advance(i, k, st)
+            valid = None if (uniform and every == 1) else fired
+            carry, ys = observe(last, st2)
+            emit(metas, lambda: payloads(carry, ys), walker.sinks.guard, step=last, sample_every=every,
+                 valid=valid)
+            return (i2, k, alive(i2, st2), *st2)
+
+        out = _seam.while_loop(lambda s: s[2], d_body, (np.int32(0), k0, alive(np.int32(0), state), *state))
+        return list(out[3:])
+
+    buf = Buffer(metas, payloads, observe, flush, walker.sinks.guard)
+
+    def d_body(s):
+        i, k, live, st = s[0], s[1], s[2], list(s[3:3 + n_state])
+
+        def c_body(cs):
+            i, j, _, st, bufs = cs[0], cs[1], cs[2], list(cs[3:3 + n_state]), list(cs[3 + n_state:])
+            i2, st2, last, fired = advance(i, k, st)
+            j2, bufs2 = buf.write(fired, j, last, st2, bufs)
+            return (i2, j2, alive(i2, st2), *st2, *bufs2)
+
+        cs = _seam.while_loop(lambda cs: lax.bitwise_and(cs[2], lax.lt(cs[1], np.int32(flush))), c_body,
+                              (i, np.int32(0), live, *st, *buf.empty()))
+        i2, count, live2, st2, bufs = cs[0], cs[1], cs[2], list(cs[3:3 + n_state]), list(cs[3 + n_state:])
+        buf.flush(count, bufs)
+        return (i2, k, live2, *st2)
+
+    buf.prepare(state)
+    out = _seam.while_loop(lambda s: s[2], d_body, (np.int32(0), k0, alive(np.int32(0), state), *state))
+    return list(out[3:])
+
+
 def _scan_driver(walker, wants, params, stepped, path, top, args):
     body, nc, ncar, length = _seam.scan_parts(params)
     reverse = _seam.scan_reverse(params)
     consts, carry, xs = args[:nc], args[nc:nc + ncar], args[nc + ncar:]
     ys0 = [_seam.empty_stack(length, aval) for aval in body.out_avals[ncar:]]
-    every = walker.plan.sample_every
     n = np.int32(length)
 
-    def run_until(i, stop, carry, ys):
+    def position(i):
+        return lax.sub(lax.sub(n, i), _one()) if reverse else i
+
+    def run_until(i, stop, st):
         def r_body(s):
             i, c, ys = s[0], s[2:2 + ncar], s[2 + ncar:]
-            idx = lax.sub(lax.sub(n, i), _one()) if reverse else i
+            idx = position(i)
             x = [_seam.index_in_dim(v, idx) for v in xs]
             outs = _seam.call_closed(stepped, [i, *consts, *c, *x])
             ys = [_seam.update_index_in_dim(b, y, idx) for b, y in zip(ys, outs[ncar:])]
             return (lax.add(i, _one()), s[1], *outs[:ncar], *ys)
 
-        out = _seam.while_loop(lambda s: lax.lt(s[0], s[1]), r_body, (i, stop, *carry, *ys))
-        return out[0], out[2:2 + ncar], out[2 + ncar:]
+        out = _seam.while_loop(lambda s: lax.lt(s[0], s[1]), r_body, (i, lax.min(stop, n), *st))
+        return out[0], out[2:]
 
-    def d_body(s):
-        i, k, c, ys = s[0], s[1], s[2:2 + ncar], s[2 + ncar:]
-        i2, c2, ys2 = run_until(i, lax.min(_next_stop(i, k), n), c, ys)
-        last = lax.sub(i2, _one())
-        valid = None if every == 1 else lax.eq(lax.rem(last, k), np.int32(0))
-        at = lax.sub(lax.sub(n, last), _one()) if reverse else last
-        ys_now = [_seam.index_in_dim(b, at) for b in ys2] if wants[1] else []
-        walker.emit_loop(wants, path, top, length, last, list(c2), ys_now, valid=valid)
-        return (i2, k, *c2, *ys2)
+    def observe(last, st):
+        ys_now = [_seam.index_in_dim(b, position(last)) for b in st[ncar:]] if wants[1] else []
+        return st[:ncar], ys_now
 
-    k0 = _seam.optimization_barrier(np.int32(every))
-    out = _seam.while_loop(lambda s: lax.lt(s[0], n), d_body, (np.int32(0), k0, *carry, *ys0))
-    return list(out[2:])
+    if wants[1] and not ys0:
+        wants = (wants[0], False)  # a body returning (carry, None) has no outputs
+    state = [*carry, *ys0]
+    return _drive(walker, wants, path, top, length, state, run_until, lambda i, st: lax.lt(i, n),
+                  observe, uniform=True)
 
 
 def handle_while(walker, eqn, params, invals, scope, site):
@@ -400,8 +469,6 @@ def handle_while(walker, eqn, params, invals, scope, site):
         out = _seam.while_loop(lambda s: user_cond(s[1:]), plain_body, (np.int32(0), *init))
         return list(out[1:])
 
-    every = walker.plan.sample_every
-
     def run_until(i, stop, carry):
         def r_cond(s):
             return lax.bitwise_and(user_cond(s[2:]), lax.lt(s[0], s[1]))
@@ -412,19 +479,8 @@ def handle_while(walker, eqn, params, invals, scope, site):
         out = _seam.while_loop(r_cond, r_body, (i, stop, *carry))
         return out[0], list(out[2:])
 
-    def d_body(s):
-        i, k, _, carry = s[0], s[1], s[2], s[3:]
-        i2, carry2 = run_until(i, _next_stop(i, k), carry)
-        last = lax.sub(i2, _one())
-        fired = lax.bitwise_and(lax.gt(i2, i), lax.eq(lax.rem(last, k), np.int32(0)))
-        walker.emit_loop(wants, path, top, None, last, carry2, valid=fired)
-        return (i2, k, user_cond(carry2), *carry2)
-
-    # The sampling period enters as a runtime value so XLA cannot prove the
-    # runner's trip count and fold it into the driver.
-    k0 = _seam.optimization_barrier(np.int32(every))
-    out = _seam.while_loop(lambda s: s[2], d_body, (np.int32(0), k0, user_cond(init), *init))
-    return list(out[3:])
+    return _drive(walker, wants, path, top, None, list(init), run_until, lambda i, st: user_cond(st),
+                  lambda last, st: (st, []), uniform=False)
 
 
 def _child_scope_fn(scope, prefix, counter, threaded, top=None):

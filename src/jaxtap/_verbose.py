@@ -109,7 +109,7 @@ def _ignore_top(deliver):
 
 def configure(*, on_step=None, select=None, alert=None, alert_once=False, ops=("scan", "while_loop"),
               sample_every=1, where=None, max_depth=None, taps=(), select_ys=None, on_ys=None,
-              alert_ys=None, alert_ys_once=False, recorder=None, with_form=False):
+              alert_ys=None, alert_ys_once=False, flush_every=None, recorder=None, with_form=False):
     """Validate a tap configuration; return (plan, consumers, primitive consumers)."""
     check_host_callables(on_step=on_step, alert=alert, on_ys=on_ys, alert_ys=alert_ys)
     consumers = Consumers(on_step, alert, alert_once, recorder=recorder,
@@ -117,7 +117,7 @@ def configure(*, on_step=None, select=None, alert=None, alert_once=False, ops=("
     emit_ys = consumers.observes_ys or (select_ys is not None and recorder is not None)
     plan = build_plan(select=select, sample_every=sample_every, ops=ops, where=where, max_depth=max_depth,
                       taps=taps, emit_carry=with_form or consumers.observes, select_ys=select_ys,
-                      emit_ys=emit_ys)
+                      emit_ys=emit_ys, flush_every=flush_every)
     return plan, consumers, prim_consumers(plan.prim_taps, recorder)
 
 
@@ -139,7 +139,8 @@ def verbose(f: Callable, *, on_step: Optional[Callable] = None, select: Optional
             alert: Optional[Callable] = None, alert_once: bool = False, ops=("scan", "while_loop"),
             sample_every: int = 1, where: Optional[Callable] = None, max_depth: Optional[int] = None,
             taps=(), select_ys: Optional[Callable] = None, on_ys: Optional[Callable] = None,
-            alert_ys: Optional[Callable] = None, alert_ys_once: bool = False) -> Callable:
+            alert_ys: Optional[Callable] = None, alert_ys_once: bool = False,
+            flush_every: Optional[int] = None) -> Callable:
     """Observe every ``scan`` / ``while_loop`` step of ``f``, live.
 
     Returns a function with ``f``'s name and docstring whose outputs and
@@ -178,6 +179,12 @@ def verbose(f: Callable, *, on_step: Optional[Callable] = None, select: Optional
         step (``select_ys`` gets their flat leaves); events have
         ``kind="output"`` and go to ``on_ys``/``alert_ys``. A carry tap and a
         y-tap of one step cross to the host in one callback.
+    flush_every : int, optional
+        Buffered streaming: keep ``flush_every`` sampled steps in a device
+        buffer and ship them in one host hop (plus one at loop exit for the
+        partial buffer). Consumers still receive one TapEvent per step, in
+        order; a loop that never ends still reports every ``flush_every``
+        samples. Under differentiation a scan streams per step.
 
     Examples
     --------
@@ -193,4 +200,5 @@ def verbose(f: Callable, *, on_step: Optional[Callable] = None, select: Optional
     """
     return make_tapped(f, on_step=on_step, select=select, alert=alert, alert_once=alert_once, ops=ops,
                        sample_every=sample_every, where=where, max_depth=max_depth, taps=taps,
-                       select_ys=select_ys, on_ys=on_ys, alert_ys=alert_ys, alert_ys_once=alert_ys_once)
+                       select_ys=select_ys, on_ys=on_ys, alert_ys=alert_ys, alert_ys_once=alert_ys_once,
+                       flush_every=flush_every)

@@ -98,21 +98,25 @@ def main(argv=None):
 
     arms = {}
 
-    def arm(name, fn, steps=n, events=None):
-        first, t = timeit(fn, (c0, xs), repeats)
-        arms[name] = {"us_per_step": t / steps * 1e6, "first_call_s": first, "events_per_call": events}
-        print(f"  {name:34s} {t / steps * 1e6:9.3f} us/step   first call {first:6.3f} s", flush=True)
+    def arm(name, fn, args=(c0, xs), steps=n):
+        first, t = timeit(fn, args, repeats)
+        arms[name] = {"us_per_step": t / steps * 1e6, "first_call_s": first}
+        print(f"  {name:40s} {t / steps * 1e6:9.3f} us/step   first call {first:6.3f} s", flush=True)
 
-    print(f"jax-tap benchmarks: {n} steps, {repeats} repeats, jax {jax.__version__}, {platform.processor() or platform.machine()}")
+    print(f"jax-tap benchmarks: {n} steps, {repeats} repeats, jax {jax.__version__}, "
+          f"{platform.machine()}, {os.cpu_count()} cpus")
     bare = jax.jit(make_bare(n))
     arm("bare", bare)
     arm("raw debug.callback (floor)", jax.jit(make_raw_callback(n, sink)))
     for k in (1, 10, 100):
         arm(f"verbose sample_every={k}", jax.jit(tap.verbose(make_bare(n), on_step=nothing, select=mean, sample_every=k)))
     arm("progress idiom select=()", jax.jit(tap.verbose(make_bare(n), on_step=nothing, select=lambda _: ())))
+    for k in (10, 100, 1000):
+        arm(f"buffered flush_every={k}", jax.jit(tap.verbose(make_bare(n), on_step=nothing, select=mean, flush_every=k)))
     arm("primitive tap sin every step", jax.jit(tap.verbose(make_bare(n), taps=[tap.on("sin", select=lambda o: o[0].mean())])))
     arm("primitive tap sin sample_every=100",
         jax.jit(tap.verbose(make_bare(n), taps=[tap.on("sin", select=lambda o: o[0].mean())], sample_every=100)))
+    arm("watch_nan sin (never trips)", jax.jit(tap.verbose(make_bare(n), taps=[tap.watch_nan("sin")])))
     with tap.record(select=mean):
         arm("with-form select=mean", bare)
     arm("bare after a with-block", bare)
@@ -120,6 +124,14 @@ def main(argv=None):
     arm("nested scans, verbose", jax.jit(tap.verbose(make_nested(n), on_step=nothing, select=mean)))
     arm("while, bare", jax.jit(make_while(n)))
     arm("while, verbose", jax.jit(tap.verbose(make_while(n), on_step=nothing, select=mean)))
+    arm("while, buffered flush_every=100", jax.jit(tap.verbose(make_while(n), on_step=nothing, select=mean,
+                                                               flush_every=100)))
+    lanes = (jnp.stack([c0] * 8), xs)
+    vm = jax.jit(jax.vmap(tap.verbose(make_bare(n), on_step=nothing, select=lambda leaves: leaves[0]),
+                          in_axes=(0, None)))
+    arm("vmap 8 lanes, bare", jax.jit(jax.vmap(make_bare(n), in_axes=(0, None))), lanes)
+    arm("vmap 8 lanes, verbose select=leaf", vm, lanes)
+    arm("1 lane, verbose select=leaf", jax.jit(tap.verbose(make_bare(n), on_step=nothing, select=lambda l: l[0])))
 
     # repeated wrapping-form calls without an outer jit vs plain f (eager)
     plain = make_bare(n)
@@ -127,23 +139,39 @@ def main(argv=None):
     # one event per call, so the ratio shows re-tracing/re-compiling, not emission
     g = tap.verbose(make_bare(n), on_step=nothing, select=lambda _: (), sample_every=n)
     first_g, t_g = timeit(g, (c0, xs), repeats)
-    first_g0, t_g0 = timeit(tap.verbose(make_bare(n)), (c0, xs), repeats)
+    # the rewritten program with no emitting loop: the wrapper's own cost
+    g0 = tap.verbose(make_bare(n), on_step=nothing, where=lambda p: False)
+    first_g0, t_g0 = timeit(g0, (c0, xs), repeats)
 
-    b = arms["bare"]["us_per_step"]
-    floor = arms["raw debug.callback (floor)"]["us_per_step"] - b
+    us = {k: v["us_per_step"] for k, v in arms.items()}
+    b = us["bare"]
+    floor = us["raw debug.callback (floor)"] - b
     ratios = {
-        "verbose se=1 overhead / floor overhead": (arms["verbose sample_every=1"]["us_per_step"] - b) / floor,
-        "verbose se=100 overhead per step / floor": (arms["verbose sample_every=100"]["us_per_step"] - b) / floor,
-        "after with-block / bare": arms["bare after a with-block"]["us_per_step"] / b,
+        "per-step hop (se=1, scalar select) / raw floor": (us["verbose sample_every=1"] - b) / floor,
+        "se=100 overhead per step / floor": (us["verbose sample_every=100"] - b) / floor,
+        "buffered K=100, per event / floor": (us["buffered flush_every=100"] - b) / floor,
+        "buffered K=1000, per event / floor": (us["buffered flush_every=1000"] - b) / floor,
+        "after with-block / bare": us["bare after a with-block"] / b,
+        "vmap 8 lanes / 1 lane, per step": (us["vmap 8 lanes, verbose select=leaf"] - us["vmap 8 lanes, bare"])
+        / (us["1 lane, verbose select=leaf"] - b),
         "repeated verbose call (1 event/call) / plain eager f": t_g / t_plain,
-        "repeated verbose call (no observers) / plain eager f": t_g0 / t_plain,
+        "repeated verbose call (no emitting loop) / plain eager f": t_g0 / t_plain,
     }
-    print("ratios:")
+    targets = {
+        "per-step hop (se=1, scalar select) / raw floor": 1.05,
+        "se=100 overhead per step / floor": 0.01,
+        "buffered K=100, per event / floor": 0.02,
+        "after with-block / bare": 1.05,
+        "vmap 8 lanes / 1 lane, per step": 1.2,
+        "repeated verbose call (no emitting loop) / plain eager f": 1.5,
+    }
+    print("ratios (target in brackets):")
     for k, v in ratios.items():
-        print(f"  {k:52s} {v:8.3f}")
+        t = targets.get(k)
+        print(f"  {k:55s} {v:8.3f}" + (f"   [<= {t}]" if t is not None else ""))
     result = {"steps": n, "repeats": repeats, "smoke": a.smoke, "jax": jax.__version__,
               "machine": {"python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count()},
-              "arms": arms, "ratios": ratios}
+              "arms": arms, "ratios": ratios, "targets": targets}
     if not a.smoke:
         with open(a.out, "w") as fh:
             json.dump(result, fh, indent=2)

@@ -15,7 +15,6 @@ file must pass); each has a standalone repro under /tmp/lifecycle_reports/.
 from __future__ import annotations
 
 import gc
-import sys
 import threading
 import time
 import tracemalloc
@@ -38,6 +37,15 @@ WHILE_P = jex.core.primitives.while_p
 LAX_NAMES = ("scan", "while_loop", "fori_loop", "map", "cond", "switch", "associative_scan")
 
 
+def _instance_binds():
+    """Primitives that carry an instance-level ``bind`` (JAX itself has a few)."""
+    P = jex.core.primitives
+    return frozenset(n for n in dir(P) if "bind" in getattr(getattr(P, n), "__dict__", {}))
+
+
+BASELINE_BINDS = _instance_binds()  # before any block: JAX's own
+
+
 # --------------------------------------------------------------------------- helpers
 def assert_clean():
     """Every piece of with-form state is back to its resting value."""
@@ -46,6 +54,8 @@ def assert_clean():
     assert _record._REGISTRY.stacks == {}
     assert "bind" not in SCAN_P.__dict__
     assert "bind" not in WHILE_P.__dict__
+    assert _instance_binds() == BASELINE_BINDS  # no primitive left intercepted
+    assert not getattr(_record, "_PATCHED", set())
     assert _seam.thread_token() is None
     assert tap.original_scan is jax.lax.scan
     assert tap.original_while_loop is jax.lax.while_loop
@@ -362,7 +372,7 @@ def test_eight_threads_each_get_exactly_their_own_events():
             with tap.record(select=lambda leaves: leaves[0]) as rec:
                 barrier.wait()
                 for _ in range(3):
-                    jf(jnp.float32(1000 * k), jnp.float32(k))
+                    jf(jnp.float32(1000 * k), jnp.float32(k + 1))
                 lax.while_loop(lambda c: c < 4, lambda c: c + 1, jnp.int32(0))
             results[k] = (rec.events, _seam.thread_token())
         except BaseException as exc:  # noqa: BLE001
@@ -389,8 +399,8 @@ def test_eight_threads_each_get_exactly_their_own_events():
         assert token_after is None
         scans = [e for e in events if e.path == "scan[0]"]
         assert len(scans) == 45 and len(events) == 49
-        # the carry starts at 1000k and grows by k per step: a foreign event would show
-        assert sorted({float(e.value) for e in scans}) == [1000 * k + k * (s + 1) for s in range(15)]
+        # the carry starts at 1000k and grows by k+1 per step: a foreign event would show
+        assert sorted(float(e.value) for e in scans) == sorted([1000.0 * k + (k + 1) * (s + 1) for s in range(15)] * 3)
         assert [e.step for e in events if e.path == "while[0]"] == [0, 1, 2, 3]
     for k, (tapped, value, token) in bystander.items():
         assert not tapped and token is None
@@ -540,7 +550,20 @@ def test_no_lax_name_is_ever_patched():
 
 
 # --------------------------------------------------------------- flushing
-def test_every_event_delivered_by_exit_async_dispatch():
+def test_every_event_delivered_by_exit_async_dispatch(monkeypatch):
+    """On GPU/TPU the jitted call returns before its host callbacks ran; the
+    exit must flush them. (On CPU, JAX runs programs with host callbacks
+    inline, so the black-box half of this test only bites on accelerators;
+    the barrier spy below pins the mechanism on every backend.)"""
+    barrier_calls = []
+    real_barrier = jax.effects_barrier
+
+    def spy_barrier():
+        barrier_calls.append(len(rec_holder[0]) if rec_holder else None)
+        real_barrier()
+
+    monkeypatch.setattr(jax, "effects_barrier", spy_barrier)
+    rec_holder = []
     slow_seen = []
 
     def slow(e):
@@ -549,12 +572,23 @@ def test_every_event_delivered_by_exit_async_dispatch():
 
     long_loop = jax.jit(lambda x: lax.scan(lambda c, _: (c + 1.0, None), x, None, length=40)[0])
     with tap.record(on_step=slow) as rec:
-        out = long_loop(X0)  # returns before the host callbacks are done
+        rec_holder.append(rec)
+        out = long_loop(X0)  # may return before the host callbacks are done
         long_loop(X0 + 1)
+        assert barrier_calls == []
     # no block_until_ready / effects_barrier by the test
+    assert len(barrier_calls) == 1  # the exit flushed
     assert len(rec) == 80
     assert sorted(slow_seen) == sorted(list(range(40)) * 2)
     assert float(out) == 40.25
+
+    # the flush also happens when the block raises
+    with pytest.raises(RuntimeError):
+        with tap.record(on_step=slow) as rec2:
+            long_loop(X0)
+            raise RuntimeError("after dispatch")
+    assert len(barrier_calls) == 2
+    assert len(rec2) == 40
 
 
 # ---------------------------------------------------------------- GC / leaks
@@ -598,33 +632,39 @@ def test_thousand_blocks_do_not_leak():
             jf(X0, XS)
         return len(rec)
 
-    for _ in range(50):
-        block()
+    counts = {block() for _ in range(1000)}
+    assert counts == {10}
+    assert len(_record._REGISTRY.tokens) == 1
+    assert _record._REGISTRY.stacks == {} and _record._REGISTRY.n_active == 0
     gc.collect()
     tracemalloc.start()
     try:
         start = tracemalloc.get_traced_memory()[0]
-        counts = {block() for _ in range(1000)}
+        for _ in range(300):
+            block()
         gc.collect()
         grown = tracemalloc.get_traced_memory()[0] - start
     finally:
         tracemalloc.stop()
-    assert counts == {10}
     assert len(_record._REGISTRY.tokens) == 1
     assert _record._REGISTRY.stacks == {} and _record._REGISTRY.n_active == 0
-    assert grown < 1_000_000, f"{grown} bytes retained over 1000 blocks"
+    assert grown < 300_000, f"{grown} bytes retained over 300 blocks"
 
 
 # ------------------------------------------------------------ consumer totality
 def test_raising_consumers_never_crash_and_warn_once():
     jf = jax.jit(scan_fn)
     ref = jf(X0, XS)
+    on_step_calls = []
 
     def bad_on_step(e):
-        raise ZeroDivisionError("on_step")
+        on_step_calls.append(e.step)
+        if e.step % 3 == 0:
+            raise ZeroDivisionError("boom-from-consumer")
+        return None
 
     def bad_alert(e):
-        raise IndexError("alert")
+        raise IndexError("boom-from-predicate")
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -632,9 +672,12 @@ def test_raising_consumers_never_crash_and_warn_once():
             out = jf(X0, XS)
             out2 = jf(X0, XS)
     msgs = [str(w.message) for w in caught if issubclass(w.category, tap.TapWarning)]
-    assert len([m for m in msgs if "on_step" in m]) == 1
-    assert len([m for m in msgs if "alert" in m and "on_step" not in m]) == 1
+    # exactly one warning per failing consumer, each naming its role and the error
+    assert len(msgs) == 2, msgs
+    assert sum("on_step callback" in m and "ZeroDivisionError" in m for m in msgs) == 1, msgs
+    assert sum("the alert" in m and "IndexError" in m for m in msgs) == 1, msgs
     assert len(rec) == 20  # the recorder still got everything
+    assert len(on_step_calls) == 20  # and on_step kept being called after it failed
     assert bitwise_equal(ref, out) and bitwise_equal(ref, out2)
 
 
@@ -648,6 +691,42 @@ def test_raising_consumer_under_warnings_as_errors(capfd):
     assert bitwise_equal(out, scan_fn(X0, XS))
     err = capfd.readouterr().err
     assert err.count("[tap] warning") == 1 and "ZeroDivisionError" in err
+
+
+def test_primitive_taps_are_intercepted_only_while_needed():
+    sin_p = jex.core.primitives.sin_p
+
+    # lax.sin, not jnp.sin: jnp.sin is itself a jit whose tapped top-level trace
+    # is cached and re-tapped inside loop bodies (see report, BUG 3/11)
+    def f(x):
+        y = lax.sin(x) * 2.0
+        return lax.scan(lambda c, _: (lax.sin(c), None), y, None, length=3)[0]
+
+    jf = jax.jit(f)
+    ref = jf(X0)
+    with tap.record() as outer:
+        with tap.record(taps=[tap.on("sin")]) as inner:
+            out = jf(X0)
+            jf(X0 + 1)
+        assert "bind" in SCAN_P.__dict__  # the outer block still intercepts loops ...
+        assert "bind" not in sin_p.__dict__ or "bind" in BASELINE_BINDS  # ... and nothing else
+        jf(X0)
+    prim_events = [e for e in inner.events if e.kind == "primitive"]
+    # one top-level sin and three in-loop sins per call (eager top-level primitive
+    # taps fire twice: see report, BUG 11)
+    assert sorted(e.path for e in prim_events) == sorted(["sin[0]"] * 2 + ["scan[0]/sin[0]"] * 6)
+    assert len([e for e in outer.events if e.kind == "carry"]) == 3
+    assert bitwise_equal(ref, out)
+    assert not has_callback(jf.lower(X0).as_text())
+
+    # and the with-form primitive events match the wrapping form's
+    for F in (jf,):
+        with tap.record(taps=[tap.on("sin"), tap.on("mul")]) as rec:
+            F(X0)
+        g, rec2 = tap.record(F, taps=[tap.on("sin"), tap.on("mul")])
+        jax.block_until_ready(g(X0))
+        jax.effects_barrier()
+        assert canon(rec.events) == canon(rec2.events)
 
 
 # ------------------------------------------------------------ event equivalence
@@ -682,32 +761,37 @@ def _f_remat_grad(x):
 
 
 def _f_cond_with_loop(x):
-    return lax.cond(x > 0, lambda y: lax.fori_loop(0, jnp.int32(4), lambda i, c: c + 1.0, y), lambda y: y, x)
+    n = (x * 0 + 4).astype(jnp.int32)  # a traced bound in both forms -> a while loop
+    return lax.cond(x > 0, lambda y: lax.fori_loop(0, n, lambda i, c: c + 1.0, y), lambda y: y, x)
 
 
 def _f_traced_bounds(x):
-    return lax.fori_loop(0, jnp.int32(6), lambda i, c: c * 1.1, x)
+    n = (x * 0 + 6).astype(jnp.int32)
+    return lax.fori_loop(0, n, lambda i, c: c * 1.1, x)
 
 
 EQUIV_FNS = [_f_jit_helper_in_body, _f_nested, _f_two_top, _f_grad, _f_remat_grad, _f_cond_with_loop,
              _f_traced_bounds]
+# Eagerly, JAX itself runs a different program for value-dependent dispatch (a
+# concrete `cond` predicate runs one branch; concrete fori_loop bounds make a
+# scan), while the wrapping forms always trace abstractly; compare those
+# functions under jit only.
+EAGER_FNS = [_f_jit_helper_in_body, _f_nested, _f_two_top, _f_grad, _f_remat_grad]
 EQUIV_CFGS = {
-    "default": dict(),
-    "select_dict": dict(select=lambda leaves: {"first": leaves[-1], "n": len(leaves)}),
+    "select_dict": dict(select=lambda leaves: {"n": len(leaves), "s": sum(jnp.sum(v) for v in leaves)}),
     "select_path": dict(select=lambda leaves, *, path: {"node": path}),
     "sample_every_2": dict(sample_every=2),
     "max_depth_0": dict(max_depth=0),
     "where_nested": dict(where=lambda p: "/" in p or p.startswith("while")),
     "scan_only": dict(ops=("scan",)),
 }
+CFG_FNS = [_f_jit_helper_in_body, _f_nested, _f_two_top, _f_cond_with_loop]
 
 
-@pytest.mark.parametrize("cfg_name", list(EQUIV_CFGS))
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_with_form_matches_verbose_and_record(cfg_name, jit):
-    cfg = EQUIV_CFGS[cfg_name]
+def _check_equivalence(fns, cfg, jit):
     x = jnp.float32(0.5)
-    for fn in EQUIV_FNS:
+    total = 0
+    for fn in fns:
         tap.emergency_restore()  # isolate from earlier blocks with the same config (see report: where/history)
         F = jax.jit(fn) if jit else fn
         with tap.record(**cfg) as rec:
@@ -723,9 +807,20 @@ def test_with_form_matches_verbose_and_record(cfg_name, jit):
         jax.block_until_ready((jax.jit(h) if jit else h)(x))
         jax.effects_barrier()
 
-        assert with_form, (fn.__name__, cfg_name)
-        assert with_form == canon(seen), (fn.__name__, cfg_name)
-        assert with_form == canon(rec2.events), (fn.__name__, cfg_name)
+        assert with_form == canon(seen), fn.__name__
+        assert with_form == canon(rec2.events), fn.__name__
+        total += len(with_form)
+    assert total > 10
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_with_form_matches_verbose_and_record_default(jit):
+    _check_equivalence(EQUIV_FNS if jit else EAGER_FNS, {}, jit)
+
+
+@pytest.mark.parametrize("cfg_name", list(EQUIV_CFGS))
+def test_with_form_matches_verbose_and_record_cfg(cfg_name):
+    _check_equivalence(CFG_FNS, EQUIV_CFGS[cfg_name], jit=True)
 
 
 # ------------------------------------------------------------------- BlackJAX
@@ -740,9 +835,13 @@ def _nuts_warmup(num_steps):
     )
 
 
-def test_blackjax_progress_config_receives_every_step():
-    pytest.importorskip("blackjax")
-    ref = _nuts_warmup(50)
+@pytest.fixture(scope="module")
+def nuts_reference():
+    return _nuts_warmup(50)
+
+
+def test_blackjax_progress_config_receives_every_step(nuts_reference):
+    ref = nuts_reference
     steps = []
     with tap.record(on_step=steps.append, select=lambda _: (), ops=("scan",), max_depth=0):
         out = _nuts_warmup(50)
@@ -752,13 +851,14 @@ def test_blackjax_progress_config_receives_every_step():
     assert bitwise_equal(ref, out)
 
 
-def test_blackjax_progress_bar_context():
+def test_blackjax_progress_bar_context(nuts_reference):
     blackjax = pytest.importorskip("blackjax")
     pytest.importorskip("tqdm")
     with blackjax.progress_bar() as state:
-        (st, params), _ = _nuts_warmup(50)
-        jax.block_until_ready(st)
+        out = _nuts_warmup(50)
+        jax.block_until_ready(out)
         jax.effects_barrier()
         assert _record.active_contexts() == 1
     assert state.n_steps == 50
     assert state.current_step == 49
+    assert bitwise_equal(nuts_reference, out)

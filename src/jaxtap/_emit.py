@@ -95,20 +95,30 @@ def _split_all(values):
 
 
 def _deliver_row(metas, layouts, guard, step, arrays, row, lane):
+    """Rebuild and deliver each meta's event from host arrays (``row`` of a buffer)."""
     offset = 0
     for meta, (static, treedef, n, n_dyn) in zip(metas, layouts):
         mine, offset = arrays[offset:offset + n_dyn], offset + n_dyn
         try:
-            it = iter(mine)
-            leaves = [static[i] if i in static else _to_host(_row(next(it), row)) for i in range(n)]
-            value = jax.tree_util.tree_unflatten(treedef, leaves)
+            if n == 1 and n_dyn == 1 and treedef.num_nodes == 1:  # a bare array: no tree to rebuild
+                value = _own(mine[0] if row is None else mine[0][row])
+            else:
+                it = iter(mine)
+                leaves = [static[i] if i in static else _own(next(it) if row is None else next(it)[row])
+                          for i in range(n)]
+                value = jax.tree_util.tree_unflatten(treedef, leaves)
             meta.deliver(TapEvent(meta.path, step, value, meta.total, meta.kind, lane), meta.top)
         except Exception as exc:  # noqa: BLE001 - totality
             guard.failed(exc)
 
 
-def _row(x, row):
-    return x if row is None else np.asarray(x)[row]
+def _own(x):
+    """A small host copy that keeps no larger buffer alive (0-d -> numpy scalar)."""
+    if isinstance(x, np.generic):
+        return x
+    if isinstance(x, np.ndarray):
+        return x[()] if x.ndim == 0 else x.copy()
+    return _to_host(x)
 
 
 def make_host_fn(metas, layouts, guard: Guard, sample_every, flagged=False):
@@ -131,7 +141,7 @@ def make_host_fn(metas, layouts, guard: Guard, sample_every, flagged=False):
         except Exception as exc:  # noqa: BLE001 - totality
             guard.failed(exc)
             return
-        _deliver_row(metas, layouts, guard, step, arrays, None, lane)
+        _deliver_row(metas, layouts, guard, step, [_to_host(a) for a in arrays], None, lane)
 
     return host
 
@@ -142,12 +152,13 @@ def make_buffer_host(metas, layouts, guard: Guard):
     def host(count, steps, *arrays, lane=None):
         try:
             count = int(np.asarray(count))
-            steps = np.asarray(steps)
+            steps = np.asarray(steps)[:count].tolist()
+            arrays = [np.asarray(a) for a in arrays]  # one host view per buffer per hop
         except Exception as exc:  # noqa: BLE001
             guard.failed(exc)
             return
         for row in range(count):
-            _deliver_row(metas, layouts, guard, int(steps[row]), arrays, row, lane)
+            _deliver_row(metas, layouts, guard, steps[row], arrays, row, lane)
 
     return host
 
@@ -156,7 +167,7 @@ def _lanes(host, axis_size, batched):
     """One host hop for every lane of a vmapped tap: split on the host."""
 
     def host_all(*arrays):
-        arrays = [np.asarray(a) for a in arrays]
+        arrays = [np.asarray(a) for a in arrays]  # one host view per operand per hop
         for lane in range(axis_size):
             host(*[a[lane] if b else a for a, b in zip(arrays, batched)], lane=lane)
 

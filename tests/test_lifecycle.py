@@ -862,3 +862,73 @@ def test_blackjax_progress_bar_context(nuts_reference):
     assert state.n_steps == 50
     assert state.current_step == 49
     assert bitwise_equal(nuts_reference, out)
+
+
+# ---------------------------------------------------------------- regressions
+def test_select_with_new_closure_values_gets_its_own_program():
+    def f(x):
+        return jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=4)
+
+    fj = jax.jit(f)
+    for thr in (2.5, 3.5, 1.5):
+        with tap.record(select=lambda leaves: leaves[0] > thr) as rec:
+            jax.block_until_ready(fj(jnp.float32(0.0)))
+        assert [bool(e.value) for e in rec.events] == [k + 1.0 > thr for k in range(4)]
+
+
+def test_grad_keeps_a_step_only_inner_tap_inside_its_loop():
+    def f(x):
+        def body(c, _):
+            c2, _ = jax.lax.scan(lambda cc, _: (cc * 1.1, None), c, None, length=3)
+            return c2, None
+        return jax.lax.scan(body, x, None, length=2)[0]
+
+    with tap.record(select=lambda _: ()) as rec:
+        jax.block_until_ready(jax.grad(f)(jnp.float32(1.0)))
+    inner = [e for e in rec.events if e.path == "scan[0]/scan[0]"]
+    assert len(inner) == 6
+
+
+def test_cached_tapped_helper_is_not_tapped_twice_inside_a_loop():
+    helper = jax.jit(lambda v: jax.lax.while_loop(lambda s: s[0] < 3, lambda s: (s[0] + 1, s[1] * 2.0), (0, v))[1])
+
+    def f(x):
+        return jax.lax.scan(lambda c, _: (helper(c), None), x, None, length=2)[0]
+
+    with tap.record(select=lambda _: ()) as rec:
+        jax.block_until_ready(helper(jnp.float32(1.0)))
+        jax.block_until_ready(f(jnp.float32(1.0)))
+    counts = {}
+    for e in rec.events:
+        counts[e.path] = counts.get(e.path, 0) + 1
+    assert sum(v for k, v in counts.items() if "while" in k) == 3 + 6  # never double
+    assert counts["scan[0]"] == 2
+
+
+def test_top_level_primitive_tap_fires_once_eager_and_jitted():
+    def f(x):
+        return jnp.sin(x) * x
+
+    for fn, x in ((f, jnp.float32(0.7)), (jax.lax.sin, jnp.float32(0.7)), (jax.jit(f), jnp.float32(0.2))):
+        with tap.record(taps=[tap.on("sin")]) as rec:
+            jax.block_until_ready(fn(x))
+        assert len([e for e in rec.events if e.kind == "primitive"]) == 1
+
+
+def test_emergency_restore_releases_the_context_object():
+    ctx = tap.record()
+    ctx.__enter__()
+    tap.emergency_restore()
+    with ctx:
+        pass
+
+
+def test_alert_once_rearms_when_the_same_context_is_entered_again(capfd):
+    def f(x):
+        return jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=3)
+
+    ctx = tap.record(alert=lambda e: "hit", alert_once=True)
+    for _ in range(2):
+        with ctx:
+            jax.block_until_ready(f(jnp.float32(0.0)))
+    assert len([x for x in capfd.readouterr().err.splitlines() if x.startswith("[tap] FAIL")]) == 2

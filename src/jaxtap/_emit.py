@@ -182,6 +182,11 @@ def hop(host, args, batched=True):
     differentiation passes through it. Taps in code that reverse-mode
     differentiation may transpose use the plain callback instead.
     """
+    with _seam.tap_scope():
+        _stage_hop(host, args, batched)
+
+
+def _stage_hop(host, args, batched):
     if not batched:
         jax.debug.callback(host, *args)
         return
@@ -227,10 +232,11 @@ def emit(metas, payloads, guard, *, step, sample_every, valid=None, batched_hop=
         fire(step, *flag)
         return ()
 
-    if flagged:
-        jax.lax.cond(valid, gated, lambda *_: (), step, valid)
-    else:
-        jax.lax.cond(step % sample_every == 0, gated, lambda *_: (), step)
+    with _seam.tap_scope():
+        if flagged:
+            jax.lax.cond(valid, gated, lambda *_: (), step, valid)
+        else:
+            jax.lax.cond(step % sample_every == 0, gated, lambda *_: (), step)
 
 
 class Buffer:
@@ -278,7 +284,8 @@ class Buffer:
             hop(host, (count, *bufs))
             return ()
 
-        jax.lax.cond(jax.lax.gt(count, np.int32(0)), ship, lambda *_: (), count, *bufs)
+        with _seam.tap_scope():
+            jax.lax.cond(jax.lax.gt(count, np.int32(0)), ship, lambda *_: (), count, *bufs)
 
 
 def finite_flag(outs):

@@ -55,7 +55,7 @@ class Guard:
     def __call__(self, *args) -> Any:
         try:
             return self.fn(*args)
-        except Exception as exc:  # noqa: BLE001 - totality is the point
+        except BaseException as exc:  # noqa: BLE001 - totality: even sys.exit in a consumer
             self.failed(exc)
             return None
 

@@ -6,6 +6,7 @@ names the parameter and the fix.
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
@@ -92,22 +93,41 @@ def select_wants_path(select) -> bool:
     return False
 
 
+class _Same:
+    """Compares by identity and keeps the object alive (so its id stays unique)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other):
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+
 def fingerprint(fn) -> Any:
-    """A hashable identity for a function: equal for re-created lambdas."""
+    """A hashable identity for a function: equal for re-created lambdas
+    (same code, same closed-over objects), different otherwise."""
     if fn is None:
         return None
+    if isinstance(fn, functools.partial):
+        return ("partial", fingerprint(fn.func), tuple(_Same(a) for a in fn.args),
+                tuple(sorted((k, _Same(v)) for k, v in (fn.keywords or {}).items())))
     code = getattr(fn, "__code__", None)
     if code is None:
-        return ("obj", id(fn))
-    cells = getattr(fn, "__closure__", None) or ()
+        return ("obj", _Same(fn))
     contents = []
-    for c in cells:
+    for c in getattr(fn, "__closure__", None) or ():
         try:
-            contents.append(id(c.cell_contents))
+            contents.append(_Same(c.cell_contents))
         except ValueError:
             contents.append(None)
-    defaults = tuple(id(d) for d in (getattr(fn, "__defaults__", None) or ()))
-    return ("fn", code, tuple(contents), defaults, id(getattr(fn, "__self__", None)))
+    defaults = tuple(_Same(d) for d in (getattr(fn, "__defaults__", None) or ()))
+    kwdefaults = tuple(sorted((k, _Same(v)) for k, v in (getattr(fn, "__kwdefaults__", None) or {}).items()))
+    return ("fn", code, tuple(contents), defaults, kwdefaults, _Same(getattr(fn, "__self__", None)))
 
 
 @dataclass(frozen=True, eq=False)

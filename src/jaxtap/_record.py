@@ -110,9 +110,14 @@ class _Registry:
     def token_for(self, plan, thread):
         key = (plan.fingerprint(), thread)
         with self.lock:
-            tok = self.tokens.get(key)
+            tok = self.tokens.pop(key, None)
             if tok is None:
-                tok = self.tokens[key] = Token(key, plan)
+                tok = Token(key, plan)
+            self.tokens[key] = tok  # most recently used last
+            if len(self.tokens) > _MAX_TOKENS:
+                in_use = {id(c._token) for c in self.active()}
+                for k in [k for k, t in self.tokens.items() if id(t) not in in_use][: len(self.tokens) - _MAX_TOKENS]:
+                    del self.tokens[k]
             return tok
 
     # -- stacks
@@ -172,6 +177,8 @@ class _Registry:
 
     def reset(self):
         with self.lock:
+            for ctx in list(self.active()):
+                ctx._active = False
             self.stacks.clear()
             self.tokens.clear()
             self.n_active = 0
@@ -179,6 +186,7 @@ class _Registry:
         _seam.set_thread_token(None)
 
 
+_MAX_TOKENS = 32  # configurations remembered for reuse of their compilations
 _REGISTRY = _Registry()
 
 
@@ -237,8 +245,15 @@ def _make_bind(prim):
 
 
 def _tap_primitive(prim, ctx, args, params):
-    """A tapped primitive bound outside any loop: bind it, then tap it."""
-    out = _seam.bind_original(prim, args, params)
+    """A tapped primitive bound outside any loop: bind it, then tap it.
+
+    Only at the base of the trace stack (eager, or staging into a jaxpr):
+    under vmap/grad the rule's own bind of the primitive reaches the base.
+    """
+    if not _seam.at_base_trace():
+        return _seam.bind_original(prim, args, params)
+    with _seam.quiet():  # eager dispatch re-binds the primitive inside a jit
+        out = _seam.bind_original(prim, args, params)
     if not any(t.prim == prim.name for t in ctx._plan.prim_taps):
         return out
     ctx._names_seen.add(prim.name)
@@ -261,7 +276,8 @@ def _intercept(prim, handler, ctx, args, params):
             body = params.get("jaxpr") or params.get("body_jaxpr")
             if body is not None:
                 ctx._names_seen.update(_seam.collect_names(body.jaxpr))
-            return handler(walker, None, params, list(args), walker.top_scope(), site)
+            with _seam.loop_scope():
+                return handler(walker, None, params, list(args), walker.top_scope(), site)
         except TapSelectError:
             raise
         except Exception as exc:  # noqa: BLE001 - our failure must not be the user's
@@ -305,6 +321,9 @@ class TapContext:
         self._active = True
         self._names_seen = set()
         self._sites = SiteIndex()
+        self._consumers.new_run()
+        for p in self._prims:
+            p.new_run()
         _REGISTRY.push(self)
         return self.recorder
 

@@ -333,6 +333,37 @@ def inside_loop_body_trace() -> bool:
     return False
 
 
+# Equations jax-tap stages carry these names in their name stack, so a walk
+# that meets a program an earlier interception already tapped (a jit cache
+# hit) recognizes them: stale emissions are dropped, tapped loops kept whole.
+TAP_SCOPE = "jaxtap_tap"
+LOOP_SCOPE = "jaxtap_loop"
+
+
+def tap_scope():
+    return jax.named_scope(TAP_SCOPE)
+
+
+def loop_scope():
+    return jax.named_scope(LOOP_SCOPE)
+
+
+def staged_by_us(eqn):
+    """None, "tap" (an emission) or "loop" (a loop jax-tap rewrote)."""
+    names = str(eqn.source_info.name_stack)
+    if TAP_SCOPE in names:
+        return "tap"
+    if LOOP_SCOPE in names:
+        return "loop"
+    return None
+
+
+def at_base_trace() -> bool:
+    """True when binding evaluates eagerly or stages into a jaxpr directly
+    (not under a vmap/grad transformation trace)."""
+    return isinstance(_core.trace_ctx.trace, (_core.EvalTrace, _pe.DynamicJaxprTrace))
+
+
 # ------------------------------------------------------------ interception
 def install_bind(prim, fn):
     """Route ``prim.bind`` through ``fn`` (an instance attribute)."""

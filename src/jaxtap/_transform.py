@@ -254,8 +254,13 @@ def interpret(walker: Walker, jaxpr, consts, args, scope: Scope):
         env[v] = x
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
+        ours = _seam.staged_by_us(eqn)
+        if ours == "tap" and not eqn.outvars:
+            continue  # a stale emission from a cached, already-tapped trace
         handler = HANDLERS.get(eqn.primitive.name)
-        if handler is not None and walker.eqn_needs(eqn):
+        if ours == "loop":
+            outs = _seam.eval_eqn(eqn, invals)  # tapped already: never tap twice
+        elif handler is not None and walker.eqn_needs(eqn):
             outs = handler(walker, eqn, eqn.params, invals, scope, _seam.site_of_eqn(eqn))
         else:
             outs = _seam.eval_eqn(eqn, invals)
@@ -307,7 +312,10 @@ def handle_scan(walker, eqn, params, invals, scope, site):
             consts, counter, rest = a[:nc], a[nc], a[nc + 1:]
             outs = stepped_body(counter, *consts, *rest, diff=True)
             if emits:
-                walker.emit_loop(wants, path, top, length, counter, outs[:ncar], outs[ncar:], batched_hop=False)
+                # tie the step to the carry: a tap that ships only the step must
+                # not look loop-invariant to autodiff's partial evaluation
+                step = _seam.optimization_barrier((counter, *outs[:ncar]))[0] if ncar else counter
+                walker.emit_loop(wants, path, top, length, step, outs[:ncar], outs[ncar:], batched_hop=False)
             return [lax.add(counter, _one())] + list(outs)
 
         avals = list(body.in_avals)

@@ -390,18 +390,13 @@ def test_vmap_ships_all_lanes_in_one_hop_per_step(monkeypatch):
     from jaxtap import _emit
 
     hops = []
-    real = _emit._lanes
+    real = _emit._unpack
 
-    def counting(host, axis_size, batched):
-        inner = real(host, axis_size, batched)
+    def counting(buf, layout):
+        hops.append(np.shape(buf)[:-1])
+        return real(buf, layout)
 
-        def counted(*a):
-            hops.append(axis_size)
-            return inner(*a)
-
-        return counted
-
-    monkeypatch.setattr(_emit, "_lanes", counting)
+    monkeypatch.setattr(_emit, "_unpack", counting)
 
     def f(x):
         return jax.lax.scan(lambda c, _: (c * 1.5 + 1.0, None), x, None, length=5)[0]
@@ -410,7 +405,7 @@ def test_vmap_ships_all_lanes_in_one_hop_per_step(monkeypatch):
     seen = []
     out = sync(jax.vmap(tap.verbose(f, on_step=seen.append, select=lambda l: l[0]))(xs))
     assert_bits(out, jax.vmap(f)(xs))
-    assert hops == [8] * 5
+    assert hops == [(8,)] * 5  # one packed operand carrying 8 lanes per step
     assert sorted((e.step, e.lane) for e in seen) == [(s, lane) for s in range(5) for lane in range(8)]
     by = {(e.step, e.lane): float(e.value) for e in seen}
     assert by[(0, 3)] == 3 * 1.5 + 1.0

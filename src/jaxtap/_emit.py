@@ -13,7 +13,7 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 
 from . import _seam
-from ._event import TapEvent
+from ._event import make_event
 from ._host import Guard
 
 
@@ -107,7 +107,7 @@ def _deliver_row(metas, layouts, guard, step, arrays, row, lane):
                 leaves = [static[i] if i in static else _own(next(it) if row is None else next(it)[row])
                           for i in range(n)]
                 value = jax.tree_util.tree_unflatten(treedef, leaves)
-            meta.deliver(TapEvent(meta.path, step, value, meta.total, meta.kind, lane), meta.top)
+            meta.deliver(make_event(meta.path, step, value, meta.total, meta.kind, lane), meta.top)
         except Exception as exc:  # noqa: BLE001 - totality
             guard.failed(exc)
 
@@ -141,7 +141,7 @@ def make_host_fn(metas, layouts, guard: Guard, sample_every, flagged=False):
         except Exception as exc:  # noqa: BLE001 - totality
             guard.failed(exc)
             return
-        _deliver_row(metas, layouts, guard, step, [_to_host(a) for a in arrays], None, lane)
+        _deliver_row(metas, layouts, guard, step, arrays, None, lane)
 
     return host
 
@@ -163,50 +163,108 @@ def make_buffer_host(metas, layouts, guard: Guard):
     return host
 
 
-def _lanes(host, axis_size, batched):
-    """One host hop for every lane of a vmapped tap: split on the host."""
+def _pack(args):
+    """Every operand of a hop as bytes of ONE uint8 vector (traced).
 
-    def host_all(*arrays):
-        arrays = [np.asarray(a) for a in arrays]  # one host view per operand per hop
-        for lane in range(axis_size):
-            host(*[a[lane] if b else a for a, b in zip(arrays, batched)], lane=lane)
+    JAX moves each callback operand to the host separately, and that, not
+    the bytes, dominates a hop's cost: one operand per hop is the cheapest.
+    Returns the vector and the layout the host needs to unpack it.
+    """
+    parts, layout = [], []
+    for a in args:
+        a = jnp.asarray(a)
+        kind = "plain"
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended):  # PRNG keys ship their key data
+            a, kind = jax.random.key_data(a), "keydata"
+        if jnp.issubdtype(a.dtype, jnp.complexfloating):
+            pieces, kind = [jnp.real(a), jnp.imag(a)], "complex"
+        elif a.dtype == jnp.bool_:
+            pieces, kind = [a.astype(jnp.uint8)], "bool"
+        else:
+            pieces = [a]
+        layout.append((kind, np.dtype(a.dtype), tuple(a.shape), [np.dtype(p.dtype) for p in pieces]))
+        for piece in pieces:
+            if piece.dtype.itemsize == 1:
+                raw = jax.lax.bitcast_convert_type(piece, jnp.uint8) if piece.dtype != jnp.uint8 else piece
+            else:
+                raw = jax.lax.bitcast_convert_type(piece, jnp.uint8)
+            parts.append(raw.reshape(-1))
+    if not parts:
+        return jnp.zeros((0,), jnp.uint8), layout
+    return (parts[0] if len(parts) == 1 else jnp.concatenate(parts)), layout
 
-    return host_all
+
+def _unpack(buf, layout):
+    """Host side of :func:`_pack`: numpy views into one host buffer.
+
+    ``buf`` may carry leading batch (lane) dimensions; they lead every output.
+    """
+    buf = np.asarray(buf)
+    lead = buf.shape[:-1]
+    out, offset = [], 0
+    for kind, dtype, shape, piece_dtypes in layout:
+        pieces = []
+        for pd in piece_dtypes:
+            n = int(np.prod(shape, dtype=np.int64)) * pd.itemsize
+            raw = np.ascontiguousarray(buf[..., offset:offset + n])
+            pieces.append(raw.view(pd).reshape(lead + shape))
+            offset += n
+        if kind == "complex":
+            value = np.empty(lead + shape, dtype)
+            value.real, value.imag = pieces
+        elif kind == "bool":
+            value = pieces[0].astype(bool)
+        else:
+            value = pieces[0]
+        out.append(value)
+    return out
 
 
 def hop(host, args, batched=True):
-    """Stage one ``jax.debug.callback`` of ``host(*args)``.
+    """Stage one ``jax.debug.callback`` of ``host(*args)``, packed into one
+    operand.
 
     With ``batched``, under ``jax.vmap`` it stays ONE callback carrying every
-    lane (the host splits them) instead of one callback per lane; forward-mode
-    differentiation passes through it. Taps in code that reverse-mode
-    differentiation may transpose use the plain callback instead.
+    lane (the host unpacks once and splits the lanes) instead of one
+    callback per lane; forward-mode differentiation passes through it. Taps
+    in code that reverse-mode differentiation may transpose use the plain
+    callback instead.
     """
     with _seam.tap_scope():
-        _stage_hop(host, args, batched)
+        packed, layout = _pack(args)
+
+        def one(buf):
+            host(*_unpack(buf, layout))
+
+        def lanes(buf):
+            arrays = _unpack(buf, layout)  # (lanes, ...) each
+            for lane in range(np.shape(buf)[0]):
+                host(*[a[lane] for a in arrays], lane=lane)
+
+        _stage_hop(one, lanes, packed, batched)
 
 
-def _stage_hop(host, args, batched):
+def _stage_hop(one, lanes, packed, batched):
     if not batched:
-        jax.debug.callback(host, *args)
+        jax.debug.callback(one, packed)
         return
 
     @jax.custom_jvp
     @custom_vmap
-    def _hop(*a):
-        jax.debug.callback(host, *a)
+    def _hop(a):
+        jax.debug.callback(one, a)
         return ()
 
     @_hop.def_vmap
-    def _hop_vmap(axis_size, in_batched, *a):
-        jax.debug.callback(_lanes(host, axis_size, list(in_batched)), *a)
+    def _hop_vmap(axis_size, in_batched, a):
+        jax.debug.callback(lanes if in_batched[0] else one, a)
         return (), ()
 
     @_hop.defjvp
     def _hop_jvp(primals, tangents):
         return _hop(*primals), ()
 
-    _hop(*args)
+    _hop(packed)
 
 
 def emit(metas, payloads, guard, *, step, sample_every, valid=None, batched_hop=True):

@@ -47,3 +47,14 @@ class TapEvent:
         lane = "" if self.lane is None else f", lane={self.lane}"
         return (f"TapEvent(path={self.path!r}, step={self.step!r}, value={self.value!r}, "
                 f"total={self.total!r}, kind={self.kind!r}{lane})")
+
+
+_new = object.__new__
+
+
+def make_event(path, step, value, total, kind, lane=None) -> TapEvent:
+    """Build a TapEvent on the host's hot path (skips the frozen-dataclass
+    ``__init__``; equal to ``TapEvent(...)``)."""
+    ev = _new(TapEvent)
+    ev.__dict__.update(path=path, step=step, value=value, total=total, kind=kind, lane=lane)
+    return ev

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TapEvent:
     """One observation: a loop step's carry, a scan's per-step output, or a
     primitive's output.
@@ -50,11 +50,17 @@ class TapEvent:
 
 
 _new = object.__new__
+_set = object.__setattr__
 
 
 def make_event(path, step, value, total, kind, lane=None) -> TapEvent:
     """Build a TapEvent on the host's hot path (skips the frozen-dataclass
-    ``__init__``; equal to ``TapEvent(...)``)."""
+    ``__init__`` checks; equal to ``TapEvent(...)``)."""
     ev = _new(TapEvent)
-    ev.__dict__.update(path=path, step=step, value=value, total=total, kind=kind, lane=lane)
+    _set(ev, "path", path)
+    _set(ev, "step", step)
+    _set(ev, "value", value)
+    _set(ev, "total", total)
+    _set(ev, "kind", kind)
+    _set(ev, "lane", lane)
     return ev

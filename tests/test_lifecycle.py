@@ -932,3 +932,22 @@ def test_alert_once_rearms_when_the_same_context_is_entered_again(capfd):
         with ctx:
             jax.block_until_ready(f(jnp.float32(0.0)))
     assert len([x for x in capfd.readouterr().err.splitlines() if x.startswith("[tap] FAIL")]) == 2
+
+
+def test_grad_of_a_jitted_loop_inside_a_loop_body_is_addressed_like_the_wrapping_form():
+    @jax.jit
+    def inner(x):
+        return jax.lax.scan(lambda c, _: (jnp.sin(c) * 0.5 + 1.0, None), x, None, length=2)[0]
+
+    def f(x0, xs):
+        return jax.lax.scan(lambda c, x: (c + jax.grad(inner)(c * x), None), x0, xs)
+
+    args = (jnp.float32(1.0), jnp.arange(1.0, 4.0))
+    with tap.record(select=lambda leaves: leaves[0]) as rec:
+        jax.block_until_ready(f(*args))
+    g, rec2 = tap.record(f, select=lambda leaves: leaves[0])
+    jax.block_until_ready(g(*args))
+    jax.effects_barrier()
+    key = lambda e: (e.path, e.step, np.asarray(e.value).tobytes())  # noqa: E731
+    assert sorted(map(key, rec.events)) == sorted(map(key, rec2.events))
+    assert {e.path for e in rec.events} == {"scan[0]", "scan[0]/jit[0]/scan[0]", "scan[0]/jit[1]/scan[0]"}

@@ -318,9 +318,33 @@ def current_site():
 _LOOP_BODY_TRACES = frozenset({"scan", "while_body", "while_cond", "fori_loop", "lower_fun"})
 
 
+_LOOPS_FILE = os.path.join("jax", "_src", "lax", "control_flow", "loops.py")
+_BINDER_FILES = (_LOOPS_FILE, os.path.join("jax", "_src", "traceback_util.py"))
+
+
+def _nested_in_loop_code() -> bool:
+    """True when JAX's loop code is on the Python stack above the code that
+    binds this loop: the loop is bound while another loop's body (or its
+    JVP, linearization or transpose) is being traced. Trace chains miss some
+    of these, as autodiff re-traces bodies in traces of its own."""
+    import sys
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_HERE):
+        frame = frame.f_back  # jax-tap's own frames
+    while frame is not None and frame.f_code.co_filename.endswith(_BINDER_FILES):
+        frame = frame.f_back  # the loop API or rule binding this very loop (fori_loop -> scan)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_LOOPS_FILE):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def inside_loop_body_trace() -> bool:
     """True when the current bind happens while JAX traces a loop body or
     lowers a primitive."""
+    if _nested_in_loop_code():
+        return True
     trace = _core.trace_ctx.trace
     seen = 0
     while trace is not None and seen < 1000:

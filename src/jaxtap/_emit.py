@@ -157,6 +157,16 @@ def make_buffer_host(metas, layouts, guard: Guard):
         except Exception as exc:  # noqa: BLE001
             guard.failed(exc)
             return
+        if len(metas) == 1 and len(arrays) == 1 and layouts[0][2] == 1 and layouts[0][1].num_nodes == 1:
+            # the common case, one bare array per step: a tight loop
+            meta, column = metas[0], arrays[0]
+            deliver, path, top, total, kind = meta.deliver, meta.path, meta.top, meta.total, meta.kind
+            for row in range(count):
+                try:
+                    deliver(make_event(path, steps[row], _own(column[row]), total, kind, lane), top)
+                except Exception as exc:  # noqa: BLE001 - totality
+                    guard.failed(exc)
+            return
         for row in range(count):
             _deliver_row(metas, layouts, guard, steps[row], arrays, row, lane)
 

@@ -1,0 +1,103 @@
+"""The jax-internals seam: every assumption jax-tap makes about JAX's
+internals, checked directly, so a JAX upgrade that breaks one fails here
+loudly (and names it) instead of somewhere deep in a tapped program."""
+import jax
+import jax.numpy as jnp
+
+import jaxtap as tap
+from jaxtap import _seam
+
+
+def test_primitive_names_we_rewrite():
+    assert (_seam.SCAN, _seam.WHILE, _seam.COND, _seam.JIT) == ("scan", "while", "cond", "jit")
+    assert _seam.REMAT == "remat2"
+    assert (_seam.CUSTOM_JVP, _seam.CUSTOM_VJP) == ("custom_jvp_call", "custom_vjp_call")
+
+
+def test_equation_params_we_read():
+    def f(x):
+        c, _ = jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=2)
+        _, w = jax.lax.while_loop(lambda s: s[0] < 2, lambda s: (s[0] + 1, s[1]), (0, c))
+        return jax.jit(jnp.sin)(jax.lax.cond(w > 0, lambda v: v, lambda v: -v, w))
+
+    eqns = {e.primitive.name: e for e in jax.make_jaxpr(f)(1.0).jaxpr.eqns}
+    body, nc, ncar, length = _seam.scan_parts(eqns["scan"].params)
+    assert (nc, ncar, length) == (0, 1, 2) and isinstance(body, _seam.ClosedJaxpr)
+    assert "reverse" in eqns["scan"].params
+    cond, cnc, wbody, bnc = _seam.while_parts(eqns["while"].params)
+    assert isinstance(cond, _seam.ClosedJaxpr) and isinstance(wbody, _seam.ClosedJaxpr)
+    assert len(_seam.cond_branches(eqns["cond"].params)) == 2
+    jp = eqns["jit"].params
+    for key in ("jaxpr", "in_shardings", "in_layouts", "donated_invars", "name", "keep_unused", "inline"):
+        assert key in jp, key
+
+
+def test_the_jit_key_config_state_separates_compilations():
+    token = object()
+    assert _seam.token_state_in_trace_context(token), "JAX no longer puts our config state in the jit key"
+    traces = []
+
+    @jax.jit
+    def f(x):
+        traces.append(1)
+        return x + 1
+
+    f(1.0)
+    _seam.set_thread_token(token)
+    try:
+        f(1.0)
+    finally:
+        _seam.set_thread_token(None)
+    f(1.0)
+    assert len(traces) == 2  # clean, tokened, clean again (cache hit)
+
+
+def test_bind_interception_is_an_instance_attribute():
+    prim = _seam.scan_p
+    assert not _seam.bind_is_patched(prim)
+    seen = []
+
+    def spy(*args, **params):
+        seen.append(1)
+        return _seam.bind_original(prim, args, params)
+
+    _seam.install_bind(prim, spy)
+    try:
+        jax.make_jaxpr(lambda x: jax.lax.scan(lambda c, _: (c, None), x, None, length=1))(0.0)
+    finally:
+        _seam.uninstall_bind(prim)
+    assert seen == [1] and not _seam.bind_is_patched(prim)
+
+
+def test_loop_body_traces_are_recognized():
+    flags = []
+
+    def spy(*args, **params):
+        flags.append(_seam.inside_loop_body_trace())
+        return _seam.bind_original(_seam.scan_p, args, params)
+
+    def f(x):
+        def body(c, _):
+            return jax.lax.scan(lambda cc, _: (cc, None), c, None, length=1)[0], None
+        return jax.lax.scan(body, x, None, length=1)
+
+    _seam.install_bind(_seam.scan_p, spy)
+    try:
+        jax.make_jaxpr(f)(1.0)
+    finally:
+        _seam.uninstall_bind(_seam.scan_p)
+    assert flags == [True, False]  # the inner bind happens while the outer body is traced
+
+
+def test_user_sites_skip_jax_and_jaxtap_frames():
+    def f(x):
+        return jax.lax.scan(lambda c, _: (c, None), x, None, length=1)
+
+    eqn = jax.make_jaxpr(f)(1.0).jaxpr.eqns[0]
+    site = _seam.site_of_eqn(eqn)
+    assert site[0] == __file__ and isinstance(site[1], int)
+
+
+def test_original_scan_is_the_public_one():
+    assert tap.original_scan is jax.lax.scan
+    assert tap.original_while_loop is jax.lax.while_loop

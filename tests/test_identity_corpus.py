@@ -28,11 +28,12 @@ Regimes deliberately NOT in this file, because they break identity today
   outer runner) and primitive taps (their callback sits in the runner) are
   not. Float programs here therefore keep loop state above the threshold;
   ``test_corpus_float_loops_are_not_small_calls`` pins that for a few.
-* Primitive taps on a value XLA would fuse away under jit (``tap.on("mul")``
-  on ``a*b + c`` blocks the FMA; a tap on ``sqrt`` blocks ``a/sqrt(b) ->
-  a*rsqrt(b)``; ``watch_nan("logistic")`` in a GRU update). The primitive
-  taps used below observe primitives whose outputs XLA does not re-associate
-  in these programs.
+* Primitive taps on a value XLA would otherwise fuse or rewrite away under
+  jit: a tap on ``sqrt`` blocks ``a/sqrt(b) -> a*rsqrt(b)``; ``watch_nan`` on
+  ``logistic`` in a GRU update, on ``sub`` in its ``1 - z``, on gelu's
+  ``tanh``, or ``tap.on("stack")`` in RK4 split a fusion. The primitive taps
+  used below observe primitives whose outputs XLA does not re-associate in
+  these programs.
 * Scans with ``unroll > 1`` whose step ends in a multiply that the next step
   adds to (XLA fuses across unrolled steps; the runner runs one step at a
   time), and scans of length 0 (tap.verbose raises) or 1 (XLA removes the
@@ -631,7 +632,7 @@ PROGRAMS = [
             diff=(0, 1, 2), on=("sub",), nan=("div",)),
     Program("rk4_lorenz", rk4_lorenz, lambda dt: (_normal(23, (64, 3), dt) + jnp.asarray([0, 0, 20.0], dt),
                                                   jnp.asarray([10.0, 28.0, 8.0 / 3.0], dt)),
-            diff=(0, 1), on=("concatenate",), grad2=True),
+            diff=(0, 1), on=("sub",), nan=("slice",), grad2=True),  # not `stack`: tapping it splits a fusion
     Program("implicit_euler_newton_while_in_scan", implicit_euler,
             lambda dt: (_normal(24, (128,), dt), jnp.asarray(5.0, dt)), on=("cos",), nan=("integer_pow",)),
     Program("online_softmax_attention", online_attention,
@@ -695,7 +696,7 @@ PROGRAMS = [
     Program("power_iteration", power_iter, lambda dt: (_spd(56, 24, dt), _normal(57, (24,), dt)),
             diff=(0, 1), on=("reduce_sum",), nan=("dot_general",)),
     Program("jit_helper_in_body", jit_in_body, lambda dt: (_normal(58, (4, 32), dt), _normal(59, (5, 32, 32), dt, 0.3)),
-            diff=(0, 1), nan=("erf",)),
+            diff=(0, 1), on=("dot_general",), nan=("reduce_max",)),  # not gelu's tanh: splits a fusion
     Program("mixed_bf16_storage", mixed_bf16,
             lambda dt: (_normal(60, (8, 64), dt).astype(jnp.bfloat16), _normal(61, (64, 64), F32, 0.2)),
             diff=(1,), nan=("tanh",), x64=False),
@@ -888,7 +889,9 @@ def _modes_for(i, prog):
         grads = [m for m in ("grad", "jit_grad", "with_grad", "grad2") if m not in prog.skip
                  and (m != "grad2" or prog.grad2)]
         pairs.append((grads[i % len(grads)], "carry_default"))
-        if i % 8 == 1:
+        if prog.grad2 and i % 3 == 0 and "grad2" not in pairs[-1]:
+            pairs.append(("grad2", "carry_default"))
+        if i % 16 == 1:
             pairs.append(("grad", "carry_reduce"))
     if prog.on or prog.nan:
         pairs.append((("jit", "with_jit", "plain")[i % 3], "prim"))

@@ -382,6 +382,10 @@ def staged_by_us(eqn):
     return None
 
 
+def jit_disabled() -> bool:
+    return bool(jax.config.jax_disable_jit)
+
+
 def at_base_trace() -> bool:
     """True when binding evaluates eagerly or stages into a jaxpr directly
     (not under a vmap/grad transformation trace)."""

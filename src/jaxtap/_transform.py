@@ -324,8 +324,17 @@ def handle_scan(walker, eqn, params, invals, scope, site):
         outs = _bind(eqn, _seam.scan_p, list(args[:nc]) + [np.int32(0)] + list(args[nc:]), new_params)
         return outs[1:]
 
+    if length == 0:
+        return _bind(eqn, _seam.scan_p, invals, params)  # no step to observe
     if not emits:
         return in_body(*invals)
+    if length == 1 and not walker.needs(body.jaxpr):
+        # XLA inlines a one-trip loop: keep the scan as it is and observe its
+        # outputs after it (the carry after step 0, and ys[0])
+        outs = _bind(eqn, _seam.scan_p, invals, params)
+        ys0 = [_seam.index_in_dim(y, np.int32(0)) for y in outs[ncar:]]
+        walker.emit_loop(wants, path, top, length, np.int32(0), outs[:ncar], ys0, batched_hop=scope.diff is False)
+        return outs
     stepped = _seam.trace_closed(stepped_body, [_int32_aval()] + list(body.in_avals))
 
     def driven(*args):

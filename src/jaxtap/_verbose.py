@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import jax
 
 from . import _seam
-from ._host import Consumers, Guard
+from ._host import Consumers, Guard, warn_once_now
 from ._options import build_plan, check_host_callables
 from ._toolkit import prim_consumers, warn_unmatched
 from ._transform import SiteIndex, Sinks, Walker, rewrite_program
@@ -80,6 +80,9 @@ class Tapped:
     def __call__(self, *args, **kwargs):
         if not self._observes:
             return self.__wrapped__(*args, **kwargs)
+        if _seam.jit_disabled():
+            _warn_disabled()
+            return self.__wrapped__(*args, **kwargs)  # op by op, as f would run: nothing to tap
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         dyn, key = self._signature(leaves, treedef)
         entry = self._cache.get(key) if key is not None else None
@@ -101,6 +104,15 @@ class Tapped:
 
     def __repr__(self):
         return f"<jax-tap verbose of {getattr(self.__wrapped__, '__qualname__', self.__wrapped__)!r}>"
+
+
+_DISABLED_WARNED = []
+
+
+def _warn_disabled():
+    if not _DISABLED_WARNED:
+        _DISABLED_WARNED.append(True)
+        warn_once_now("jax-tap: jax.disable_jit() is active: loops run as Python loops, so nothing is tapped.")
 
 
 def _ignore_top(deliver):

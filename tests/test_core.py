@@ -420,3 +420,27 @@ def test_vmapped_while_lanes_that_finished_emit_nothing():
     sync(jax.vmap(tap.verbose(f, on_step=seen.append, select=lambda l: l[0]))(xs))
     per_lane = {lane: [float(e.value) for e in seen if e.lane == lane] for lane in range(3)}
     assert per_lane == {0: [4.0, 8.0, 12.0], 1: [9.0, 13.0], 2: [13.0]}
+
+
+@pytest.mark.parametrize("length", [0, 1, 2])
+def test_short_scans_are_identical_and_observed(length):
+    def f(a, xs):
+        return jax.lax.scan(lambda c, x: (jnp.tanh(c * 1.25 + x) + 0.1 * jnp.sin(c), c - x), a, xs)
+
+    a = jnp.linspace(-1.0, 1.0, 128, dtype=jnp.float32)
+    xs = jnp.ones((length, 128), jnp.float32) * 0.3
+    seen = []
+    assert_bits(sync(jax.jit(tap.verbose(f, on_step=seen.append, on_ys=seen.append))(a, xs)), jax.jit(f)(a, xs))
+    assert len(seen) == 2 * length
+
+
+def test_disable_jit_runs_f_as_it_would_run():
+    def f(x):
+        return jax.lax.while_loop(lambda c: c < 3.0, lambda c: c * 1.7 + 0.1, x)
+
+    with jax.disable_jit():
+        expected = f(jnp.float32(0.5))
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            out = tap.verbose(f, on_step=print)(jnp.float32(0.5))
+    assert_bits(out, expected)

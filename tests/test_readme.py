@@ -29,3 +29,21 @@ def test_every_readme_python_block_runs(capfd):
     assert "[tap] FAIL scan[0]/jit[0]/cholesky[0] 7/10: NaN/Inf" in err
     assert "[tap] FAIL scan[0] 7/10: carry=6.22 exceeded 5.0" in err
     assert "[tap] FAIL scan[0]/jit[0]/cholesky[0] 6/10: L[1,1] < 1" in err
+
+
+def test_every_readme_command_line_runs():
+    import subprocess
+    import sys
+
+    text = open(README, encoding="utf-8").read()
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    commands = [line.split("#")[0].strip() for block in blocks for line in block.splitlines()]
+    commands = [c for c in commands if c.startswith("python -m jaxtap")]
+    assert len(commands) >= 4
+    root = os.path.join(HERE, "..")
+    for command in commands:
+        argv = [sys.executable] + command.split()[1:]
+        proc = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-2000:])
+        assert proc.stdout.rstrip().endswith("PASS"), (command, proc.stdout[-500:])

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import jaxtap as tap
+from taputil import assert_bits as assert_bitwise
 
 
 # --------------------------------------------------------------------- helpers
@@ -28,13 +29,6 @@ def run(g, *args):
     return out
 
 
-def assert_bitwise(a, b):
-    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-    assert len(la) == len(lb)
-    for x, y in zip(la, lb):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert x.tobytes() == y.tobytes()
 
 
 def counter_scan(x0):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import jaxtap as tap
+from taputil import assert_bits as assert_bitwise
 
 
 # --------------------------------------------------------------------- helpers
@@ -30,13 +31,6 @@ def tap_lines(capfd):
     return [line for line in err.splitlines() if line.startswith("[tap]")]
 
 
-def assert_bitwise(a, b):
-    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-    assert len(la) == len(lb)
-    for x, y in zip(la, lb):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert x.tobytes() == y.tobytes()
 
 
 def sin_scan(x0, xs):

@@ -127,6 +127,23 @@ def make_host_fn(metas, layouts, guard: Guard, sample_every, flagged=False):
     Returns ``host(step, [flag], *arrays, lane=None)``.
     """
 
+    single = len(metas) == 1 and layouts[0][2] == 1 and layouts[0][3] == 1 and layouts[0][1].num_nodes == 1
+
+    def lanes(step, *arrays):
+        """Every lane of a vmapped hop: each array has a leading lane axis."""
+        n = len(step)
+        if not single or flagged or sample_every > 1:
+            for lane in range(n):
+                host(step[lane], *[a[lane] for a in arrays], lane=lane)
+            return
+        meta, column, steps = metas[0], arrays[0], step.tolist()
+        deliver, path, top, total, kind = meta.deliver, meta.path, meta.top, meta.total, meta.kind
+        for lane in range(n):
+            try:
+                deliver(make_event(path, steps[lane], _own(column[lane]), total, kind, lane), top)
+            except Exception as exc:  # noqa: BLE001 - totality
+                guard.failed(exc)
+
     def host(step, *arrays, lane=None):
         try:
             if flagged:
@@ -143,6 +160,7 @@ def make_host_fn(metas, layouts, guard: Guard, sample_every, flagged=False):
             return
         _deliver_row(metas, layouts, guard, step, arrays, None, lane)
 
+    host.lanes = lanes
     return host
 
 
@@ -248,6 +266,10 @@ def hop(host, args, batched=True):
 
         def lanes(buf):
             arrays = _unpack(buf, layout)  # (lanes, ...) each
+            fast = getattr(host, "lanes", None)
+            if fast is not None:
+                fast(*arrays)
+                return
             for lane in range(np.shape(buf)[0]):
                 host(*[a[lane] for a in arrays], lane=lane)
 

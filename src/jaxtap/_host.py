@@ -52,9 +52,9 @@ class Guard:
         self._warned = False
         self._lock = threading.Lock()
 
-    def __call__(self, *args) -> Any:
+    def __call__(self, x, top=None) -> Any:
         try:
-            return self.fn(*args)
+            return self.fn(x)
         except BaseException as exc:  # noqa: BLE001 - totality: even sys.exit in a consumer
             self.failed(exc)
             return None
@@ -176,15 +176,36 @@ class Consumers:
             if a is not None:
                 a.reset()
 
-    def deliver(self, event: TapEvent) -> None:
-        output = event.kind == "output"
-        alert, consumer = (self.alert_ys, self.on_ys) if output else (self.alert, self.on_step)
+    def deliver(self, event: TapEvent, top=None) -> None:
+        (self.ys_sink if event.kind == "output" else self.carry_sink)(event)
+
+    @property
+    def carry_sink(self):
+        """``sink(event, top=None)`` for carry events, as lean as the setup allows."""
+        return _sink(self.alert, self.recorder, self.on_step)
+
+    @property
+    def ys_sink(self):
+        return _sink(self.alert_ys, self.recorder, self.on_ys)
+
+
+def _sink(alert, recorder, consumer):
+    if alert is None and recorder is None:
+        return consumer if consumer is not None else _nothing
+
+    def sink(event, top=None):
         if alert is not None:
             alert(event)
-        if self.recorder is not None:
+        if recorder is not None:
             try:
-                self.recorder.append(event)
+                recorder.append(event)
             except Exception:  # noqa: BLE001
                 pass
         if consumer is not None:
             consumer(event)
+
+    return sink
+
+
+def _nothing(event, top=None):
+    return None

@@ -79,7 +79,7 @@ class _Router:
     def carry(self, event, top):
         ctx, event = self._receive(event, top)
         if ctx is not None:
-            ctx._consumers.deliver(event)
+            ctx._consumers.deliver(event)  # carry or output, by kind
 
     def prim(self, i):
         def deliver(event, top):

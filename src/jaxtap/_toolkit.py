@@ -127,7 +127,7 @@ class PrimConsumer:
         with self._lock:
             self._printed.clear()
 
-    def deliver(self, event: TapEvent) -> None:
+    def deliver(self, event: TapEvent, top=None) -> None:
         if self.alerter is not None:
             self.alerter(event)
         elif self.tap.mode == "print":

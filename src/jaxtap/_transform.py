@@ -374,14 +374,33 @@ def _drive(walker, wants, path, top, total, state, run_until, alive, observe, un
     # runner's trip count and fold it into the driver.
     k0 = _seam.optimization_barrier(np.int32(every))
 
+    if flush is None and uniform:
+        # A scan: the driver stops right after the last sampled step, so every
+        # runner call ends on a sampled step and the hop needs no gate; the
+        # steps after it run in one more runner call.
+        n = np.int32(total)
+        n_emit = np.int32(((total - 1) // every) * every + 1)
+
+        def d_body(s):
+            i, k, st = s[0], s[1], list(s[2:])
+            i2, st2, last, _ = advance(i, k, st)
+            carry, ys = observe(last, st2)
+            emit(metas, lambda: payloads(carry, ys), walker.sinks.guard, step=last, sample_every=1)
+            return (i2, k, *st2)
+
+        out = _seam.while_loop(lambda s: lax.lt(s[0], n_emit), d_body, (np.int32(0), k0, *state))
+        i, st = out[0], list(out[2:])
+        if total - 1 > int(n_emit) - 1:
+            _, st = run_until(i, n, st)
+        return list(st)
+
     if flush is None:
         def d_body(s):
             i, k, st = s[0], s[1], list(s[3:])
             i2, st2, last, fired = advance(i, k, st)
-            valid = None if (uniform and every == 1) else fired
             carry, ys = observe(last, st2)
             emit(metas, lambda: payloads(carry, ys), walker.sinks.guard, step=last, sample_every=every,
-                 valid=valid)
+                 valid=fired)
             return (i2, k, alive(i2, st2), *st2)
 
         out = _seam.while_loop(lambda s: s[2], d_body, (np.int32(0), k0, alive(np.int32(0), state), *state))

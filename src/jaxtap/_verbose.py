@@ -115,10 +115,6 @@ def _warn_disabled():
         warn_once_now("jax-tap: jax.disable_jit() is active: loops run as Python loops, so nothing is tapped.")
 
 
-def _ignore_top(deliver):
-    return lambda event, top: deliver(event)
-
-
 def configure(*, on_step=None, select=None, alert=None, alert_once=False, ops=("scan", "while_loop"),
               sample_every=1, where=None, max_depth=None, taps=(), select_ys=None, on_ys=None,
               alert_ys=None, alert_ys_once=False, flush_every=None, recorder=None, with_form=False):
@@ -141,8 +137,7 @@ def make_tapped(f, recorder=None, **cfg) -> Tapped:
     if not callable(f):
         raise TypeError(f"jax-tap: expected a function to observe, got {type(f).__name__}: {f!r}")
     plan, consumers, prims = configure(recorder=recorder, **cfg)
-    deliver = _ignore_top(consumers.deliver)
-    sinks = Sinks(deliver, deliver, [_ignore_top(p.deliver) for p in prims], rebuild_guard(plan))
+    sinks = Sinks(consumers.carry_sink, consumers.ys_sink, [p.deliver for p in prims], rebuild_guard(plan))
     walker = Walker(plan, sinks, SiteIndex())
     return Tapped(f, walker, consumers, prims, observes=plan.active)
 

@@ -145,6 +145,9 @@ class _Registry:
             _sync_patches()
         if thread == threading.get_ident():
             self._sync_thread_token()
+        else:
+            sole = self.sole()
+            _seam.set_global_token(sole._token if sole is not None else None)
 
     def active(self):
         for stack in list(self.stacks.values()):
@@ -174,6 +177,21 @@ class _Registry:
     def _sync_thread_token(self):
         ctx = self.top(threading.get_ident())
         _seam.set_thread_token(ctx._token if ctx is not None else None)
+        sole = self.sole()
+        _seam.set_global_token(sole._token if sole is not None else None)
+
+    def sole(self):
+        """The only active block in the process, if exactly one is active.
+
+        Threads without a block of their own are attributed to it (work
+        handed to a worker thread or executor is tapped, as BlackJAX's
+        progress bar expects); with two or more blocks active, each taps
+        only its own thread."""
+        if self.n_active != 1:
+            return None
+        for ctx in self.active():
+            return ctx
+        return None
 
     def reset(self):
         with self.lock:
@@ -184,6 +202,7 @@ class _Registry:
             self.n_active = 0
             _uninstall_all()
         _seam.set_thread_token(None)
+        _seam.set_global_token(None)
 
 
 _MAX_TOKENS = 32  # configurations remembered for reuse of their compilations
@@ -233,7 +252,7 @@ def _make_bind(prim):
     def bind(*args, **params):
         if _seam.BUSY.depth or not _REGISTRY.n_active:
             return _seam.bind_original(prim, args, params)
-        ctx = _REGISTRY.top(threading.get_ident())
+        ctx = _REGISTRY.top(threading.get_ident()) or _REGISTRY.sole()
         if ctx is None or _seam.inside_loop_body_trace():
             return _seam.bind_original(prim, args, params)
         if handler is None:

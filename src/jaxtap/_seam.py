@@ -419,7 +419,14 @@ TOKEN_STATE = _config.string_or_object_state(
 
 
 def set_thread_token(token) -> None:
-    TOKEN_STATE.set_local(token)
+    """This thread's token; None removes the thread's own value, so the
+    thread sees the global one again."""
+    TOKEN_STATE.set_local(_config.config_ext.unset if token is None else token)
+
+
+def set_global_token(token) -> None:
+    """The token threads without a block of their own see (None: clean)."""
+    TOKEN_STATE.set_global(token)
 
 
 def thread_token():

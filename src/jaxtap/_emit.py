@@ -112,6 +112,27 @@ def _deliver_row(metas, layouts, guard, step, arrays, row, lane):
             guard.failed(exc)
 
 
+def _deliver_column(meta, guard, steps, column, count, lane):
+    """Deliver ``count`` rows of one bare array: the buffered hot path."""
+    deliver, path, top, total, kind = meta.deliver, meta.path, meta.top, meta.total, meta.kind
+    if isinstance(deliver, Guard):  # a lone on_step: call it directly, guard the whole loop
+        fn, row = deliver.fn, 0
+        while row < count:
+            try:
+                while row < count:
+                    event = make_event(path, steps[row], _own(column[row]), total, kind, lane)
+                    row += 1
+                    fn(event)
+            except BaseException as exc:  # noqa: BLE001 - totality, as Guard
+                deliver.failed(exc)
+        return
+    for row in range(count):
+        try:
+            deliver(make_event(path, steps[row], _own(column[row]), total, kind, lane), top)
+        except Exception as exc:  # noqa: BLE001 - totality
+            guard.failed(exc)
+
+
 def _own(x):
     """A small host copy that keeps no larger buffer alive (0-d -> numpy scalar)."""
     if isinstance(x, np.generic):
@@ -177,13 +198,8 @@ def make_buffer_host(metas, layouts, guard: Guard):
             return
         if len(metas) == 1 and len(arrays) == 1 and layouts[0][2] == 1 and layouts[0][1].num_nodes == 1:
             # the common case, one bare array per step: a tight loop
-            meta, column = metas[0], arrays[0]
-            deliver, path, top, total, kind = meta.deliver, meta.path, meta.top, meta.total, meta.kind
-            for row in range(count):
-                try:
-                    deliver(make_event(path, steps[row], _own(column[row]), total, kind, lane), top)
-                except Exception as exc:  # noqa: BLE001 - totality
-                    guard.failed(exc)
+            meta = metas[0]
+            _deliver_column(meta, guard, steps, arrays[0], count, lane)
             return
         for row in range(count):
             _deliver_row(metas, layouts, guard, steps[row], arrays, row, lane)
@@ -364,7 +380,10 @@ class Buffer:
             return (jax.lax.add(j, np.int32(1)), steps,
                     *[_seam.update_index_in_dim(b, v, j) for b, v in zip(bufs[1:], values)])
 
-        out = jax.lax.cond(fired, put, lambda j, bufs: (j, *bufs), j, bufs)
+        if fired is None:  # every call ends on a sampled step: no gate
+            out = put(j, bufs)
+        else:
+            out = jax.lax.cond(fired, put, lambda j, bufs: (j, *bufs), j, bufs)
         return out[0], list(out[1:])
 
     def flush(self, count, bufs):

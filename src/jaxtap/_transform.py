@@ -407,6 +407,10 @@ def _drive(walker, wants, path, top, total, state, run_until, alive, observe, un
         return list(out[3:])
 
     buf = Buffer(metas, payloads, observe, flush, walker.sinks.guard)
+    if uniform:  # a scan: stop after the last sampled step (as above), no write gate
+        n = np.int32(total)
+        n_emit = np.int32(((total - 1) // every) * every + 1)
+        alive = lambda i, st: lax.lt(i, n_emit)  # noqa: E731
 
     def d_body(s):
         i, k, live, st = s[0], s[1], s[2], list(s[3:3 + n_state])
@@ -414,7 +418,7 @@ def _drive(walker, wants, path, top, total, state, run_until, alive, observe, un
         def c_body(cs):
             i, j, _, st, bufs = cs[0], cs[1], cs[2], list(cs[3:3 + n_state]), list(cs[3 + n_state:])
             i2, st2, last, fired = advance(i, k, st)
-            j2, bufs2 = buf.write(fired, j, last, st2, bufs)
+            j2, bufs2 = buf.write(None if uniform else fired, j, last, st2, bufs)
             return (i2, j2, alive(i2, st2), *st2, *bufs2)
 
         cs = _seam.while_loop(lambda cs: lax.bitwise_and(cs[2], lax.lt(cs[1], np.int32(flush))), c_body,
@@ -425,7 +429,10 @@ def _drive(walker, wants, path, top, total, state, run_until, alive, observe, un
 
     buf.prepare(state)
     out = _seam.while_loop(lambda s: s[2], d_body, (np.int32(0), k0, alive(np.int32(0), state), *state))
-    return list(out[3:])
+    st = list(out[3:])
+    if uniform and total - 1 > int(n_emit) - 1:
+        _, st = run_until(out[0], n, st)
+    return list(st)
 
 
 def _scan_driver(walker, wants, params, stepped, path, top, args):

@@ -112,15 +112,17 @@ def _deliver_row(metas, layouts, guard, step, arrays, row, lane):
             guard.failed(exc)
 
 
-def _deliver_column(meta, guard, steps, column, count, lane):
-    """Deliver ``count`` rows of one bare array: the buffered hot path."""
+def _deliver_column(meta, guard, steps, column, count, lane, rows_are_lanes=False):
+    """Deliver ``count`` rows of one bare array (a buffer's steps, or a vmapped
+    hop's lanes): the hot path."""
     deliver, path, top, total, kind = meta.deliver, meta.path, meta.top, meta.total, meta.kind
     if isinstance(deliver, Guard):  # a lone on_step: call it directly, guard the whole loop
         fn, row = deliver.fn, 0
         while row < count:
             try:
                 while row < count:
-                    event = make_event(path, steps[row], _own(column[row]), total, kind, lane)
+                    event = make_event(path, steps[row], _own(column[row]), total, kind,
+                                       row if rows_are_lanes else lane)
                     row += 1
                     fn(event)
             except BaseException as exc:  # noqa: BLE001 - totality, as Guard
@@ -128,7 +130,7 @@ def _deliver_column(meta, guard, steps, column, count, lane):
         return
     for row in range(count):
         try:
-            deliver(make_event(path, steps[row], _own(column[row]), total, kind, lane), top)
+            deliver(make_event(path, steps[row], _own(column[row]), total, kind, row if rows_are_lanes else lane), top)
         except Exception as exc:  # noqa: BLE001 - totality
             guard.failed(exc)
 
@@ -157,13 +159,7 @@ def make_host_fn(metas, layouts, guard: Guard, sample_every, flagged=False):
             for lane in range(n):
                 host(step[lane], *[a[lane] for a in arrays], lane=lane)
             return
-        meta, column, steps = metas[0], arrays[0], step.tolist()
-        deliver, path, top, total, kind = meta.deliver, meta.path, meta.top, meta.total, meta.kind
-        for lane in range(n):
-            try:
-                deliver(make_event(path, steps[lane], _own(column[lane]), total, kind, lane), top)
-            except Exception as exc:  # noqa: BLE001 - totality
-                guard.failed(exc)
+        _deliver_column(metas[0], guard, step.tolist(), arrays[0], n, lane=None, rows_are_lanes=True)
 
     def host(step, *arrays, lane=None):
         try:

@@ -162,6 +162,9 @@ class Consumers:
         self.on_step = Guard(on_step, "on_step callback") if on_step is not None else None
         self.alert_ys = Alerter(alert_ys, alert_ys_once) if alert_ys is not None else None
         self.on_ys = Guard(on_ys, "on_ys callback") if on_ys is not None else None
+        # ``sink(event, top=None)`` per event kind, as lean as the setup allows
+        self.carry_sink = _sink(self.alert, self.recorder, self.on_step)
+        self.ys_sink = _sink(self.alert_ys, self.recorder, self.on_ys)
 
     @property
     def observes(self) -> bool:
@@ -178,15 +181,6 @@ class Consumers:
 
     def deliver(self, event: TapEvent, top=None) -> None:
         (self.ys_sink if event.kind == "output" else self.carry_sink)(event)
-
-    @property
-    def carry_sink(self):
-        """``sink(event, top=None)`` for carry events, as lean as the setup allows."""
-        return _sink(self.alert, self.recorder, self.on_step)
-
-    @property
-    def ys_sink(self):
-        return _sink(self.alert_ys, self.recorder, self.on_ys)
 
 
 def _sink(alert, recorder, consumer):

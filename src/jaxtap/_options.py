@@ -47,35 +47,27 @@ def normalize_ops(ops) -> frozenset:
     return frozenset(kinds)
 
 
+def _check_int(name, value, *, minimum, optional, requirement, hint):
+    if optional and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"jax-tap: `{name}` must be {requirement}, got {value!r}. {hint}")
+    return value
+
+
 def check_sample_every(k) -> int:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(
-            f"jax-tap: `sample_every` must be a positive int, got {k!r}. "
-            "Use sample_every=1 to observe every step, 100 for one step in a hundred."
-        )
-    return k
+    return _check_int("sample_every", k, minimum=1, optional=False, requirement="a positive int",
+                      hint="Use sample_every=1 to observe every step, 100 for one step in a hundred.")
 
 
 def check_flush_every(k) -> Optional[int]:
-    if k is None:
-        return None
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(
-            f"jax-tap: `flush_every` must be None or a positive int, got {k!r}. "
-            "flush_every=100 buffers 100 sampled steps on device per host hop."
-        )
-    return k
+    return _check_int("flush_every", k, minimum=1, optional=True, requirement="None or a positive int",
+                      hint="flush_every=100 buffers 100 sampled steps on device per host hop.")
 
 
 def check_max_depth(d) -> Optional[int]:
-    if d is None:
-        return None
-    if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-        raise ValueError(
-            f"jax-tap: `max_depth` must be None or an int >= 0, got {d!r}. "
-            "max_depth=0 observes only the outermost loops."
-        )
-    return d
+    return _check_int("max_depth", d, minimum=0, optional=True, requirement="None or an int >= 0",
+                      hint="max_depth=0 observes only the outermost loops.")
 
 
 def select_wants_path(select) -> bool:

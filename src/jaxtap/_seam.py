@@ -442,9 +442,6 @@ def token_state_in_trace_context(token) -> bool:
         TOKEN_STATE.set_local(prev)
 
 
-_local = threading.local()
-
-
 def effects_barrier():
     jax.effects_barrier()
 

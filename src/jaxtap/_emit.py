@@ -395,7 +395,7 @@ class Buffer:
 
 def finite_flag(outs):
     """One bool on device: are all floating outputs finite?"""
-    flags = [jnp.all(jnp.isfinite(o)) for o in outs if _seam._is_inexact(getattr(o, "dtype", None))]
+    flags = [jnp.all(jnp.isfinite(o)) for o in outs if _seam.is_inexact(getattr(o, "dtype", None))]
     if not flags:
         return jnp.bool_(True)
     out = flags[0]

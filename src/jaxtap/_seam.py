@@ -491,10 +491,10 @@ def is_leaf_float_eqn(eqn) -> bool:
     """A primitive (no sub-jaxprs) with a floating-point or complex output."""
     if subjaxprs_of(eqn.params):
         return False
-    return any(_is_inexact(getattr(v.aval, "dtype", None)) for v in eqn.outvars)
+    return any(is_inexact(getattr(v.aval, "dtype", None)) for v in eqn.outvars)
 
 
-def _is_inexact(dtype) -> bool:
+def is_inexact(dtype) -> bool:
     try:
         return dtype is not None and bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
     except TypeError:  # extended dtypes (PRNG keys) are never NaN

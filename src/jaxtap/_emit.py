@@ -7,14 +7,18 @@ pytree from host copies and hands a :class:`TapEvent` to a sink.
 """
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
 
 from . import _seam
-from ._event import make_event
+from ._event import TapEvent, make_event
 from ._host import Guard
+
+_tuple_new = tuple.__new__
 
 
 class TapSelectError(TypeError):
@@ -77,7 +81,9 @@ class Meta:
     __slots__ = ("deliver", "path", "top", "total", "kind")
 
     def __init__(self, deliver, path, top, total, kind):
-        self.deliver = deliver  # deliver(event, top), host side
+        # deliver(event, top), host side; ``top`` (the top-level loop) only
+        # matters to sinks that route, and those offer ``resolve`` as well
+        self.deliver = deliver
         self.path = path
         self.top = top
         self.total = total
@@ -114,25 +120,39 @@ def _deliver_row(metas, layouts, guard, step, arrays, row, lane):
 
 def _deliver_column(meta, guard, steps, column, count, lane, rows_are_lanes=False):
     """Deliver ``count`` rows of one bare array (a buffer's steps, or a vmapped
-    hop's lanes): the hot path."""
+    hop's lanes): the hot path.
+
+    A sink may offer ``resolve(path, kind, top) -> (fn, path) | None`` to route
+    a whole batch once (the with-form's block lookup and renaming); then
+    ``fn(event)`` receives each event.
+    """
     deliver, path, top, total, kind = meta.deliver, meta.path, meta.top, meta.total, meta.kind
-    if isinstance(deliver, Guard):  # a lone on_step: call it directly, guard the whole loop
-        fn, row = deliver.fn, 0
-        while row < count:
-            try:
-                while row < count:
-                    event = make_event(path, steps[row], _own(column[row]), total, kind,
-                                       row if rows_are_lanes else lane)
-                    row += 1
-                    fn(event)
-            except BaseException as exc:  # noqa: BLE001 - totality, as Guard
-                deliver.failed(exc)
-        return
-    for row in range(count):
+    resolve = getattr(deliver, "resolve", None)
+    if resolve is not None:
         try:
-            deliver(make_event(path, steps[row], _own(column[row]), total, kind, row if rows_are_lanes else lane), top)
+            target = resolve(path, kind, top)
         except Exception as exc:  # noqa: BLE001 - totality
             guard.failed(exc)
+            return
+        if target is None:
+            return
+        deliver, path = target
+    failed = guard.failed
+    if isinstance(deliver, Guard):  # a lone on_step: call it directly, guard the whole loop
+        deliver, failed = deliver.fn, deliver.failed
+    lanes = range(count) if rows_are_lanes else None
+    # rows of a 1-d column are fresh numpy scalars; rows of a wider one are
+    # views that must be copied so that no event keeps the buffer alive
+    rows = column[:count] if np.ndim(column) == 1 else [_own(r) for r in column[:count]]
+    done = 0
+    while done < count:
+        try:
+            for step, value, ln in zip(steps[done:count], rows[done:], lanes[done:] if lanes is not None
+                                       else itertools.repeat(lane, count - done)):
+                done += 1
+                deliver(_tuple_new(TapEvent, (path, step, value, total, kind, ln)))
+        except BaseException as exc:  # noqa: BLE001 - totality, as Guard
+            failed(exc)
 
 
 def _own(x):
@@ -341,6 +361,44 @@ def emit(metas, payloads, guard, *, step, sample_every, valid=None, batched_hop=
             jax.lax.cond(step % sample_every == 0, gated, lambda *_: (), step)
 
 
+class Side:
+    """Primitive-tap values that a buffered loop carries out of its body.
+
+    With ``flush_every``, a primitive tap inside a loop body does not hop:
+    its selected value becomes an extra output of the step (threaded out of
+    any ``jit`` or ``checkpoint`` around it), the runner carries the latest
+    one, and the driver buffers it with the loop's own events.
+    """
+
+    def __init__(self):
+        self.entries = []  # (meta, static leaves, treedef, n leaves, n array leaves)
+        self.values = []  # traced arrays, entry after entry
+
+    def add(self, meta, value):
+        dynamic, static, treedef, n = _split_payload(value)
+        self.entries.append((meta, static, treedef, n, len(dynamic)))
+        self.values.extend(dynamic)
+
+    def extend(self, other, values):
+        """Adopt a sub-trace's entries, with their values as seen out here."""
+        self.entries.extend(other.entries)
+        self.values.extend(values)
+
+    @property
+    def metas(self):
+        return [e[0] for e in self.entries]
+
+    def payloads(self, values):
+        """Each entry's value rebuilt from ``values`` (laid out as ``self.values``)."""
+        out, offset = [], 0
+        for _, static, treedef, n, n_dyn in self.entries:
+            it = iter(values[offset:offset + n_dyn])
+            offset += n_dyn
+            out.append(jax.tree_util.tree_unflatten(treedef, [static[i] if i in static else next(it)
+                                                              for i in range(n)]))
+        return out
+
+
 class Buffer:
     """Device-side buffering of ``capacity`` sampled steps per host hop.
 
@@ -356,8 +414,7 @@ class Buffer:
         self.layouts, self.shapes = None, None
 
     def _dynamic(self, last, state):
-        carry, ys = self.observe(last, state)
-        operands, layouts = _split_all(self.payloads(carry, ys))
+        operands, layouts = _split_all(self.payloads(*self.observe(last, state)))
         self.layouts = layouts
         return operands
 

@@ -1,14 +1,34 @@
 """The one record type that crosses from device to host."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from operator import itemgetter
 from typing import Any, Optional
 
+_FIELDS = ("path", "step", "value", "total", "kind", "lane")
+_tuple_new = tuple.__new__
 
-@dataclass(frozen=True, slots=True)
-class TapEvent:
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    # Twin dataclass: lends TapEvent its field metadata, so dataclasses.fields,
+    # replace and asdict work on events.
+    path: str
+    step: int
+    value: Any
+    total: Optional[int] = None
+    kind: str = "carry"
+    lane: Optional[int] = None
+
+
+class TapEvent(tuple):
     """One observation: a loop step's carry, a scan's per-step output, or a
     primitive's output.
+
+    An immutable record. It behaves as a frozen dataclass
+    (``dataclasses.replace`` / ``asdict`` / ``fields`` work on it) and is
+    stored as a tuple, because the host builds one per delivered step and
+    that is the cheapest record Python can build.
 
     Attributes
     ----------
@@ -34,33 +54,61 @@ class TapEvent:
     --------
     >>> TapEvent("scan[0]", 3, 1.5, total=10)
     TapEvent(path='scan[0]', step=3, value=1.5, total=10, kind='carry')
+    >>> TapEvent("scan[0]", 3, 1.5, total=10).step
+    3
     """
 
-    path: str
-    step: int
-    value: Any
-    total: Optional[int] = None
-    kind: str = "carry"
-    lane: Optional[int] = None
+    __slots__ = ()
+    __match_args__ = _FIELDS
+    __dataclass_fields__ = _Shape.__dataclass_fields__
+    __dataclass_params__ = _Shape.__dataclass_params__
+
+    path = property(itemgetter(0), doc="Address of the observed node.")
+    step = property(itemgetter(1), doc="Iteration of the innermost enclosing loop.")
+    value = property(itemgetter(2), doc="What ``select`` returned, as host copies.")
+    total = property(itemgetter(3), doc="Scan length; None for while loops; 1 outside loops.")
+    kind = property(itemgetter(4), doc='"carry", "output" or "primitive".')
+    lane = property(itemgetter(5), doc="vmap lane, or None.")
+
+    def __new__(cls, path: str, step: int, value: Any, total: Optional[int] = None,
+                kind: str = "carry", lane: Optional[int] = None) -> "TapEvent":
+        return _tuple_new(cls, (path, step, value, total, kind, lane))
+
+    def __getnewargs__(self):
+        return tuple(self)
+
+    def __setattr__(self, name, value):
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name):
+        raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}")
+
+    # Equal only to another TapEvent (not to a plain tuple), and unordered,
+    # as a dataclass would be.
+    def __eq__(self, other):
+        if type(other) is type(self):
+            return tuple.__eq__(self, other)
+        return False if isinstance(other, tuple) else NotImplemented
+
+    def __ne__(self, other):
+        if type(other) is type(self):
+            return tuple.__ne__(self, other)
+        return True if isinstance(other, tuple) else NotImplemented
+
+    __hash__ = tuple.__hash__
+
+    def __lt__(self, other):
+        return NotImplemented
+
+    __le__ = __gt__ = __ge__ = __lt__
 
     def __repr__(self) -> str:
-        lane = "" if self.lane is None else f", lane={self.lane}"
-        return (f"TapEvent(path={self.path!r}, step={self.step!r}, value={self.value!r}, "
-                f"total={self.total!r}, kind={self.kind!r}{lane})")
-
-
-_new = object.__new__
-_set = object.__setattr__
+        lane = "" if self[5] is None else f", lane={self[5]!r}"
+        return (f"TapEvent(path={self[0]!r}, step={self[1]!r}, value={self[2]!r}, "
+                f"total={self[3]!r}, kind={self[4]!r}{lane})")
 
 
 def make_event(path, step, value, total, kind, lane=None) -> TapEvent:
-    """Build a TapEvent on the host's hot path (skips the frozen-dataclass
-    ``__init__`` checks; equal to ``TapEvent(...)``)."""
-    ev = _new(TapEvent)
-    _set(ev, "path", path)
-    _set(ev, "step", step)
-    _set(ev, "value", value)
-    _set(ev, "total", total)
-    _set(ev, "kind", kind)
-    _set(ev, "lane", lane)
-    return ev
+    """Build a TapEvent on the host's hot path (equal to ``TapEvent(...)``,
+    without the Python-level ``__new__`` call)."""
+    return _tuple_new(TapEvent, (path, step, value, total, kind, lane))

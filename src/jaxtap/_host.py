@@ -186,13 +186,26 @@ class Consumers:
 def _sink(alert, recorder, consumer):
     if alert is None and recorder is None:
         return consumer if consumer is not None else _nothing
+    record = None
+    if recorder is not None:
+        appender = getattr(recorder, "_appender", None)
+        record = appender() if appender is not None else recorder.append
+
+    if alert is None and consumer is None:
+        def sink(event, top=None):
+            try:
+                record(event)
+            except Exception:  # noqa: BLE001
+                pass
+
+        return sink
 
     def sink(event, top=None):
         if alert is not None:
             alert(event)
-        if recorder is not None:
+        if record is not None:
             try:
-                recorder.append(event)
+                record(event)
             except Exception:  # noqa: BLE001
                 pass
         if consumer is not None:

@@ -28,7 +28,8 @@ from ._collectors import FlightRecorder
 from ._emit import TapSelectError
 from ._host import warn_once_now
 from ._toolkit import warn_unmatched
-from ._transform import SiteIndex, Sinks, Walker, handle_scan, handle_while
+from ._loops import handle_scan, handle_while
+from ._transform import SiteIndex, Sinks, Walker
 from ._verbose import configure, make_tapped, rebuild_guard
 
 _HANDLERS = {_seam.scan_p: handle_scan, _seam.while_p: handle_while}
@@ -42,7 +43,7 @@ class Token:
     def __init__(self, key, plan):
         self.key = key
         router = _Router(self)
-        sinks = Sinks(router.carry, router.carry, [router.prim(i) for i in range(len(plan.prim_taps))],
+        sinks = Sinks(router.carry_sink, router.carry_sink, [router.prim(i) for i in range(len(plan.prim_taps))],
                       rebuild_guard(plan))
         self.walker = Walker(plan, sinks, SiteIndex())
 
@@ -61,19 +62,32 @@ class _Router:
     def __init__(self, token):
         self._token = weakref.ref(token)
 
-    def _receive(self, event, top):
+        def carry_sink(event, top):
+            self.carry(event, top)
+
+        carry_sink.resolve = self._resolve_carry  # buffered batches route once
+        self.carry_sink = carry_sink
+
+    def _route(self, path, kind, top):
+        """(block, path as that block names it), or (None, None) to drop."""
         token = self._token()
         ctx = None if token is None else _REGISTRY.innermost(token)
         if ctx is None:
-            return None, event
+            return None, None
         if top is not None:
-            first, sep, rest = event.path.partition("/")
+            first, sep, rest = path.partition("/")
             mine = f"{top[0]}[{ctx._sites.index(*top)}]"
             if mine != first:
-                event = dataclasses.replace(event, path=mine + sep + rest)
+                path = mine + sep + rest
                 where = ctx._plan.where
-                if where is not None and event.kind == "carry" and not _safe_where(where, event.path):
-                    return None, event
+                if where is not None and kind == "carry" and not _safe_where(where, path):
+                    return None, None
+        return ctx, path
+
+    def _receive(self, event, top):
+        ctx, path = self._route(event.path, event.kind, top)
+        if ctx is not None and path != event.path:
+            event = dataclasses.replace(event, path=path)
         return ctx, event
 
     def carry(self, event, top):
@@ -81,12 +95,24 @@ class _Router:
         if ctx is not None:
             ctx._consumers.deliver(event)  # carry or output, by kind
 
+    def _resolve_carry(self, path, kind, top):
+        ctx, path = self._route(path, kind, top)
+        if ctx is None:
+            return None
+        consumers = ctx._consumers
+        return (consumers.ys_sink if kind == "output" else consumers.carry_sink), path
+
     def prim(self, i):
         def deliver(event, top):
             ctx, event = self._receive(event, top)
             if ctx is not None:
                 ctx._prims[i].deliver(event)
 
+        def resolve(path, kind, top):
+            ctx, path = self._route(path, kind, top)
+            return None if ctx is None else (ctx._prims[i].deliver, path)
+
+        deliver.resolve = resolve
         return deliver
 
 

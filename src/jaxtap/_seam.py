@@ -92,15 +92,20 @@ def jit_body(params):
     return params["jaxpr"]
 
 
-def jit_with_body(params, new_body, extra_inputs=0):
-    """jit params for a new body; every other parameter is kept as it was."""
+def jit_with_body(params, new_body, extra_inputs=0, extra_outputs=0):
+    """jit params for a new body with extra trailing inputs/outputs; every
+    other parameter is kept as it was."""
     p = dict(params)
     p["jaxpr"] = new_body
-    if extra_inputs:
+    if extra_inputs or extra_outputs:
         from jax._src.pjit import UNSPECIFIED
+    if extra_inputs:
         p["in_shardings"] = tuple(p["in_shardings"]) + (UNSPECIFIED,) * extra_inputs
         p["in_layouts"] = tuple(p["in_layouts"]) + (None,) * extra_inputs
         p["donated_invars"] = tuple(p["donated_invars"]) + (False,) * extra_inputs
+    if extra_outputs:
+        p["out_shardings"] = tuple(p["out_shardings"]) + (UNSPECIFIED,) * extra_outputs
+        p["out_layouts"] = tuple(p["out_layouts"]) + (None,) * extra_outputs
     return p
 
 
@@ -214,6 +219,12 @@ def empty_stack(length, aval):
     """The ys buffer ``scan``'s own lowering starts from."""
     from jax._src.lax.control_flow import loops as _loops
     return _loops._empty_array((length,), (None,), aval)
+
+
+def empty_like(aval):
+    """An (unspecified) array of ``aval``'s type, as scan's own buffers start."""
+    from jax._src.lax.control_flow import loops as _loops
+    return _loops._empty_array((), (), aval)
 
 
 def index_in_dim(x, i):

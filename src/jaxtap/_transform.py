@@ -25,7 +25,7 @@ import numpy as np
 from jax import lax
 
 from . import _seam
-from ._emit import Buffer, Meta, emit, finite_flag, run_select
+from ._emit import Meta, Side, emit, finite_flag, run_select
 from ._options import Plan, PrimTap
 
 _INT32 = None
@@ -69,9 +69,9 @@ class Counter:
 class Scope:
     """Where the walk is: address prefix, numbering, innermost loop's step."""
 
-    __slots__ = ("prefix", "counter", "in_loop", "step", "total", "top", "diff")
+    __slots__ = ("prefix", "counter", "in_loop", "step", "total", "top", "diff", "side", "alive")
 
-    def __init__(self, prefix, counter, in_loop, step, total, top=None, diff=True):
+    def __init__(self, prefix, counter, in_loop, step, total, top=None, diff=True, side=None):
         self.prefix = prefix
         self.counter = counter
         self.in_loop = in_loop
@@ -81,6 +81,12 @@ class Scope:
         # False inside a runner, which JAX never differentiates: taps there may
         # use the vmap-aware single hop (it has no transpose rule)
         self.diff = diff
+        # a Side collecting buffered primitive-tap values of this trace (set
+        # by a buffered loop's step and by sub-traces that export to it)
+        self.side = side
+        # a while body's own predicate: under vmap, lanes that have finished
+        # still run the body, and their primitive taps must stay silent
+        self.alive = None
 
     def address(self, name, site):
         """(path, top) of the next `name` node at this level."""
@@ -89,8 +95,8 @@ class Scope:
             return f"{self.prefix}/{seg}", self.top
         return seg, (name, site)
 
-    def child(self, prefix, counter, step, total, top, in_loop=True, diff=None):
-        return Scope(prefix, counter, in_loop, step, total, top, self.diff if diff is None else diff)
+    def child(self, prefix, counter, step, total, top, in_loop=True, diff=None, side=None):
+        return Scope(prefix, counter, in_loop, step, total, top, self.diff if diff is None else diff, side)
 
 
 class Sinks:
@@ -113,6 +119,10 @@ class Walker:
         self._needs: dict = {}
         self._tap_names = plan.tapped_names
         self._births = [(i, t) for i, t in enumerate(plan.prim_taps) if t.prim is None]
+        # with flush_every, streaming primitive taps in loop bodies are buffered
+        # (tripwires already cross only when they trip)
+        self.buffers_prims = plan.flush_every is not None and any(
+            t.prim is not None and t.mode not in ("nan", "nan_birth") for t in plan.prim_taps)
 
     # -------------------------------------------------------------- decisions
     def top_scope(self):
@@ -175,6 +185,19 @@ class Walker:
 
         return _seam.trace_closed(fn, list(closed.in_avals) + list(extra_avals))
 
+    def rewrite_exporting(self, closed, scope_fn, extra_avals=()):
+        """:meth:`rewrite_closed` for a sub-trace of a buffered step: buffered
+        primitive-tap values become extra outputs. Returns (closed, Side)."""
+        n = len(closed.in_avals)
+        side = Side()
+
+        def fn(*args):
+            scope = scope_fn(args[n:])
+            scope.side = side
+            return list(interpret(self, closed.jaxpr, closed.consts, args[:n], scope)) + side.values
+
+        return _seam.trace_closed(fn, list(closed.in_avals) + list(extra_avals)), side
+
     def loop_parts(self, wants, path, top, total):
         """The events one loop step ships: (metas, payloads(carry, ys))."""
         p = self.plan
@@ -213,12 +236,17 @@ class Walker:
             meta = Meta(self.sinks.prims[i], path, top, scope.total, "primitive")
             if t.mode == "nan":  # a tripwire crosses to the host only when it trips
                 self._emit_when(lax.bitwise_not(finite_flag(chosen)), sampled, meta, step, scope)
+            elif scope.side is not None:  # buffered: the loop's driver ships it
+                scope.side.add(meta, _prim_payload(t, chosen, path)())
             else:
                 metas.append(meta)
                 payloads.append(_prim_payload(t, chosen, path))
         if metas:
+            valid = scope.alive
+            if valid is not None and sampled is not None:
+                valid = lax.bitwise_and(valid, sampled)
             emit(metas, lambda: [pf() for pf in payloads], self.sinks.guard, step=step, sample_every=every,
-                 batched_hop=not scope.diff)
+                 valid=valid, batched_hop=not scope.diff)
         for i, t in births:
             born = lax.bitwise_and(finite_flag(invals), lax.bitwise_not(finite_flag(outs)))
             meta = Meta(self.sinks.prims[i], path, top, scope.total, "primitive")
@@ -285,253 +313,30 @@ def _one():
 
 
 # ------------------------------------------------------------------ handlers
-def handle_scan(walker, eqn, params, invals, scope, site):
-    """A scan: observed through a driver and an effect-free runner.
-
-    Evaluated (eagerly, under jit or vmap), an emitting scan becomes a
-    *driver* while loop that emits each sampled carry around a *runner* that
-    executes the user's steps exactly as ``scan`` lowers them, with no host
-    callback inside (so XLA compiles the user's arithmetic as it would
-    untapped). Differentiated, it is a scan with a step counter and the tap
-    in its body (``custom_jvp`` picks that form), because only a scan has a
-    reverse-mode rule.
-    """
-    body, nc, ncar, length = _seam.scan_parts(params)
-    path, top = scope.address("scan", site)
-    wants = walker.loop_wants("scan", path)
-    emits = any(wants)
-    if not emits and not walker.needs(body.jaxpr):
-        return _bind(eqn, _seam.scan_p, invals, params)
-
-    def stepped_body(counter, *args, diff=False):
-        child = scope.child(path, Counter(), counter, length, top, diff=diff)
-        return interpret(walker, body.jaxpr, body.consts, list(args), child)
-
-    def in_body(*args):
-        def fn(*a):
-            consts, counter, rest = a[:nc], a[nc], a[nc + 1:]
-            outs = stepped_body(counter, *consts, *rest, diff=True)
-            if emits:
-                # tie the step to the carry: a tap that ships only the step must
-                # not look loop-invariant to autodiff's partial evaluation
-                step = _seam.optimization_barrier((counter, *outs[:ncar]))[0] if ncar else counter
-                walker.emit_loop(wants, path, top, length, step, outs[:ncar], outs[ncar:], batched_hop=False)
-            return [lax.add(counter, _one())] + list(outs)
-
-        avals = list(body.in_avals)
-        new_body = _seam.trace_closed(fn, avals[:nc] + [_int32_aval()] + avals[nc:])
-        new_params = _seam.scan_with_counter(params, new_body)
-        outs = _bind(eqn, _seam.scan_p, list(args[:nc]) + [np.int32(0)] + list(args[nc:]), new_params)
-        return outs[1:]
-
-    if length == 0:
-        return _bind(eqn, _seam.scan_p, invals, params)  # no step to observe
-    if not emits:
-        return in_body(*invals)
-    if length == 1 and not walker.needs(body.jaxpr):
-        # XLA inlines a one-trip loop: keep the scan as it is and observe its
-        # outputs after it (the carry after step 0, and ys[0])
-        outs = _bind(eqn, _seam.scan_p, invals, params)
-        ys0 = [_seam.index_in_dim(y, np.int32(0)) for y in outs[ncar:]]
-        walker.emit_loop(wants, path, top, length, np.int32(0), outs[:ncar], ys0, batched_hop=scope.diff is False)
-        return outs
-    stepped = _seam.trace_closed(stepped_body, [_int32_aval()] + list(body.in_avals))
-
-    def driven(*args):
-        return _scan_driver(walker, wants, params, stepped, path, top, args)
-
-    return _seam.with_jvp_rule(driven, in_body, list(invals))
-
-
-def _next_stop(i, k):
-    """One past the next sampled step (steps 0, k, 2k, ... are sampled)."""
-    return lax.add(lax.mul(lax.div(lax.add(i, lax.sub(k, _one())), k), k), _one())
-
-
-def _drive(walker, wants, path, top, total, state, run_until, alive, observe, uniform):
-    """The driver: run the effect-free runner up to each sampled step, emit.
-
-    ``run_until(i, stop, state) -> (i2, state2)`` runs user steps
-    ``i .. stop-1`` (fewer if the loop ends); ``alive(i, state)`` says whether
-    the loop goes on; ``observe(last, state) -> (carry, ys)`` gives what a
-    step's tap sees. ``uniform``: every runner call ends on a sampled step
-    unless the loop ended (a scan), so sample_every=1 needs no gate. With
-    ``flush_every=K``, K sampled steps are buffered on device and cross in
-    one hop.
-    """
-    plan = walker.plan
-    every, flush = plan.sample_every, plan.flush_every
-    metas, payloads = walker.loop_parts(wants, path, top, total)
-    n_state = len(state)
-
-    def advance(i, k, st):
-        i2, st2 = run_until(i, _next_stop(i, k), st)
-        last = lax.sub(i2, _one())
-        fired = lax.bitwise_and(lax.gt(i2, i), lax.eq(lax.rem(last, k), np.int32(0)))
-        return i2, list(st2), last, fired
-
-    # The sampling period enters as a runtime value so XLA cannot prove the
-    # runner's trip count and fold it into the driver.
-    k0 = _seam.optimization_barrier(np.int32(every))
-
-    if flush is None and uniform:
-        # A scan: the driver stops right after the last sampled step, so every
-        # runner call ends on a sampled step and the hop needs no gate; the
-        # steps after it run in one more runner call.
-        n = np.int32(total)
-        n_emit = np.int32(((total - 1) // every) * every + 1)
-
-        def d_body(s):
-            i, k, st = s[0], s[1], list(s[2:])
-            i2, st2, last, _ = advance(i, k, st)
-            carry, ys = observe(last, st2)
-            emit(metas, lambda: payloads(carry, ys), walker.sinks.guard, step=last, sample_every=1)
-            return (i2, k, *st2)
-
-        out = _seam.while_loop(lambda s: lax.lt(s[0], n_emit), d_body, (np.int32(0), k0, *state))
-        i, st = out[0], list(out[2:])
-        if total - 1 > int(n_emit) - 1:
-            _, st = run_until(i, n, st)
-        return list(st)
-
-    if flush is None:
-        def d_body(s):
-            i, k, st = s[0], s[1], list(s[3:])
-            i2, st2, last, fired = advance(i, k, st)
-            carry, ys = observe(last, st2)
-            emit(metas, lambda: payloads(carry, ys), walker.sinks.guard, step=last, sample_every=every,
-                 valid=fired)
-            return (i2, k, alive(i2, st2), *st2)
-
-        out = _seam.while_loop(lambda s: s[2], d_body, (np.int32(0), k0, alive(np.int32(0), state), *state))
-        return list(out[3:])
-
-    buf = Buffer(metas, payloads, observe, flush, walker.sinks.guard)
-    if uniform:  # a scan: stop after the last sampled step (as above), no write gate
-        n = np.int32(total)
-        n_emit = np.int32(((total - 1) // every) * every + 1)
-        alive = lambda i, st: lax.lt(i, n_emit)  # noqa: E731
-
-    def d_body(s):
-        i, k, live, st = s[0], s[1], s[2], list(s[3:3 + n_state])
-
-        def c_body(cs):
-            i, j, _, st, bufs = cs[0], cs[1], cs[2], list(cs[3:3 + n_state]), list(cs[3 + n_state:])
-            i2, st2, last, fired = advance(i, k, st)
-            j2, bufs2 = buf.write(None if uniform else fired, j, last, st2, bufs)
-            return (i2, j2, alive(i2, st2), *st2, *bufs2)
-
-        cs = _seam.while_loop(lambda cs: lax.bitwise_and(cs[2], lax.lt(cs[1], np.int32(flush))), c_body,
-                              (i, np.int32(0), live, *st, *buf.empty()))
-        i2, count, live2, st2, bufs = cs[0], cs[1], cs[2], list(cs[3:3 + n_state]), list(cs[3 + n_state:])
-        buf.flush(count, bufs)
-        return (i2, k, live2, *st2)
-
-    buf.prepare(state)
-    out = _seam.while_loop(lambda s: s[2], d_body, (np.int32(0), k0, alive(np.int32(0), state), *state))
-    st = list(out[3:])
-    if uniform and total - 1 > int(n_emit) - 1:
-        _, st = run_until(out[0], n, st)
-    return list(st)
-
-
-def _scan_driver(walker, wants, params, stepped, path, top, args):
-    body, nc, ncar, length = _seam.scan_parts(params)
-    reverse = _seam.scan_reverse(params)
-    consts, carry, xs = args[:nc], args[nc:nc + ncar], args[nc + ncar:]
-    ys0 = [_seam.empty_stack(length, aval) for aval in body.out_avals[ncar:]]
-    n = np.int32(length)
-
-    def position(i):
-        return lax.sub(lax.sub(n, i), _one()) if reverse else i
-
-    def run_until(i, stop, st):
-        def r_body(s):
-            i, c, ys = s[0], s[2:2 + ncar], s[2 + ncar:]
-            idx = position(i)
-            x = [_seam.index_in_dim(v, idx) for v in xs]
-            outs = _seam.call_closed(stepped, [i, *consts, *c, *x])
-            ys = [_seam.update_index_in_dim(b, y, idx) for b, y in zip(ys, outs[ncar:])]
-            return (lax.add(i, _one()), s[1], *outs[:ncar], *ys)
-
-        out = _seam.while_loop(lambda s: lax.lt(s[0], s[1]), r_body, (i, lax.min(stop, n), *st))
-        return out[0], out[2:]
-
-    def observe(last, st):
-        ys_now = [_seam.index_in_dim(b, position(last)) for b in st[ncar:]] if wants[1] else []
-        return st[:ncar], ys_now
-
-    if wants[1] and not ys0:
-        wants = (wants[0], False)  # a body returning (carry, None) has no outputs
-    state = [*carry, *ys0]
-    return _drive(walker, wants, path, top, length, state, run_until, lambda i, st: lax.lt(i, n),
-                  observe, uniform=True)
-
-
-def handle_while(walker, eqn, params, invals, scope, site):
-    """A while loop: observed through a driver and an effect-free runner.
-
-    When this loop emits, it becomes two nested while loops: the *runner*
-    executes the user's cond and body unchanged up to the next sampled step
-    and holds no host callback (so XLA compiles the user's arithmetic as it
-    would untapped - e.g. CPU's "small call" outlining still applies), and
-    the *driver* around it emits the sampled carry.
-    """
-    cond, cnc, body, bnc = _seam.while_parts(params)
-    path, top = scope.address("while", site)
-    wants = walker.loop_wants("while", path)
-    emits = any(wants)
-    if not emits and not walker.needs(body.jaxpr):
-        return _bind(eqn, _seam.while_p, invals, params)
-    cconsts, bconsts, init = invals[:cnc], invals[cnc:cnc + bnc], invals[cnc + bnc:]
-
-    def lane_pred(carry):
-        return _seam.eval_jaxpr(cond.jaxpr, cond.consts, *cconsts, *carry)[0]
-
-    # A while loop that vmap batched keeps a per-lane predicate: it runs while
-    # any lane is alive and finished lanes keep their carry (as its lowering does).
-    batched = bool(cond.out_avals[0].shape)
-
-    def user_cond(carry):
-        pred = lane_pred(carry)
-        return _seam.any_lane(pred) if batched else pred
-
-    def user_body(step, carry):
-        child = scope.child(path, Counter(), step, None, top)
-        outs = interpret(walker, body.jaxpr, body.consts, list(bconsts) + list(carry), child)
-        if batched:
-            pred = lane_pred(carry)
-            outs = [_seam.select_lanes(pred, new, old) for new, old in zip(outs, carry)]
-        return outs
-
-    if not emits:
-        # Nothing to emit here: only thread the step through for the inner taps.
-        def plain_body(s):
-            return (lax.add(s[0], _one()), *user_body(s[0], s[1:]))
-
-        out = _seam.while_loop(lambda s: user_cond(s[1:]), plain_body, (np.int32(0), *init))
-        return list(out[1:])
-
-    def run_until(i, stop, carry):
-        def r_cond(s):
-            return lax.bitwise_and(user_cond(s[2:]), lax.lt(s[0], s[1]))
-
-        def r_body(s):
-            return (lax.add(s[0], _one()), s[1], *user_body(s[0], s[2:]))
-
-        out = _seam.while_loop(r_cond, r_body, (i, stop, *carry))
-        return out[0], list(out[2:])
-
-    return _drive(walker, wants, path, top, None, list(init), run_until, lambda i, st: user_cond(st),
-                  lambda last, st: (st, []), uniform=False)
-
-
 def _child_scope_fn(scope, prefix, counter, threaded, top=None):
     def make(extra):
         step = extra[0] if threaded else None
         return scope.child(prefix, counter, step, scope.total, top or scope.top, in_loop=scope.in_loop)
 
     return make
+
+
+def _rewrite_sub(walker, closed, scope, scope_fn, extra_avals):
+    """Rewrite a sub-trace (jit / checkpoint body); inside a buffered step its
+    buffered primitive-tap values come out as extra trailing outputs.
+    Returns (closed, Side or None)."""
+    if scope.side is None:
+        return walker.rewrite_closed(closed, scope_fn, extra_avals), None
+    return walker.rewrite_exporting(closed, scope_fn, extra_avals)
+
+
+def _adopt(scope, side, outs):
+    """Split a sub-trace's outputs from its exported values (see _rewrite_sub)."""
+    if side is None or not side.values:
+        return outs
+    n = len(outs) - len(side.values)
+    scope.side.extend(side, outs[n:])
+    return outs[:n]
 
 
 def handle_jit(walker, eqn, params, invals, scope, site):
@@ -541,14 +346,17 @@ def handle_jit(walker, eqn, params, invals, scope, site):
     else:
         prefix, top, counter = scope.prefix, scope.top, scope.counter
     threaded = scope.step is not None
-    new_body = walker.rewrite_closed(
-        body, _child_scope_fn(scope, prefix, counter, threaded, top), [_int32_aval()] if threaded else []
-    )
-    new_params = _seam.jit_with_body(params, new_body, extra_inputs=1 if threaded else 0)
-    return _bind(eqn, _seam.jit_p, list(invals) + ([scope.step] if threaded else []), new_params)
+    new_body, side = _rewrite_sub(walker, body, scope, _child_scope_fn(scope, prefix, counter, threaded, top),
+                                  [_int32_aval()] if threaded else [])
+    new_params = _seam.jit_with_body(params, new_body, extra_inputs=1 if threaded else 0,
+                                     extra_outputs=len(side.values) if side else 0)
+    outs = _bind(eqn, _seam.jit_p, list(invals) + ([scope.step] if threaded else []), new_params)
+    return _adopt(scope, side, outs)
 
 
 def handle_cond(walker, eqn, params, invals, scope, site):
+    # Branches are separate traces with no common output for a buffered value:
+    # primitive taps in them hop when they fire (side=None).
     threaded = scope.step is not None
     branches = [
         walker.rewrite_closed(
@@ -563,13 +371,12 @@ def handle_cond(walker, eqn, params, invals, scope, site):
 
 def handle_remat(walker, eqn, params, invals, scope, site):
     threaded = scope.step is not None
-    closed = walker.rewrite_closed(
-        _seam.remat_body(params), _child_scope_fn(scope, scope.prefix, scope.counter, threaded),
-        [_int32_aval()] if threaded else [],
-    )
+    closed, side = _rewrite_sub(walker, _seam.remat_body(params), scope,
+                                _child_scope_fn(scope, scope.prefix, scope.counter, threaded),
+                                [_int32_aval()] if threaded else [])
     new_params, consts = _seam.remat_with_body(params, closed)
     args = list(consts) + list(invals) + ([scope.step] if threaded else [])
-    return _bind(eqn, _seam.remat_p, args, new_params)
+    return _adopt(scope, side, _bind(eqn, _seam.remat_p, args, new_params))
 
 
 def _handle_call(prim):
@@ -583,9 +390,7 @@ def _handle_call(prim):
     return handle
 
 
-HANDLERS = {
-    _seam.SCAN: handle_scan,
-    _seam.WHILE: handle_while,
+HANDLERS = {  # the loop handlers join from _loops (imported at the end)
     _seam.JIT: handle_jit,
     _seam.COND: handle_cond,
     _seam.REMAT: handle_remat,
@@ -600,3 +405,6 @@ def rewrite_program(walker: Walker, closed):
     if not walker.needs(closed.jaxpr):
         return closed
     return walker.rewrite_closed(closed, lambda extra: walker.top_scope())
+
+
+from . import _loops  # noqa: E402,F401 - registers the scan and while handlers

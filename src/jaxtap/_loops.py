@@ -1,0 +1,310 @@
+"""Loop handlers: scan and while, observed through a driver and a runner.
+
+An emitting loop becomes a *driver* loop that emits (or buffers, with
+``flush_every``) each sampled step around an effect-free *runner* that
+executes the user's steps exactly as scan/while lower them, so XLA compiles
+the user's arithmetic as it would untapped. Under differentiation a scan
+takes a counter-in-carry form with the tap in its body instead (only a scan
+has a reverse-mode rule); ``custom_jvp`` picks the form.
+"""
+from __future__ import annotations
+
+import numpy as np
+from jax import lax
+
+from . import _seam
+from ._emit import Buffer, Side, emit
+from ._transform import HANDLERS, Counter, _bind, _int32_aval, _one, interpret
+
+
+def handle_scan(walker, eqn, params, invals, scope, site):
+    """A scan: observed through a driver and an effect-free runner.
+
+    Evaluated (eagerly, under jit or vmap), an emitting scan becomes a
+    *driver* while loop that emits each sampled carry around a *runner* that
+    executes the user's steps exactly as ``scan`` lowers them, with no host
+    callback inside (so XLA compiles the user's arithmetic as it would
+    untapped). Differentiated, it is a scan with a step counter and the tap
+    in its body (``custom_jvp`` picks that form), because only a scan has a
+    reverse-mode rule.
+    """
+    body, nc, ncar, length = _seam.scan_parts(params)
+    path, top = scope.address("scan", site)
+    wants = walker.loop_wants("scan", path)
+    emits = any(wants)
+    if not emits and not walker.needs(body.jaxpr):
+        return _bind(eqn, _seam.scan_p, invals, params)
+
+    sides = []
+
+    def stepped_body(counter, *args, diff=False):
+        side = Side() if walker.buffers_prims and not diff else None
+        child = scope.child(path, Counter(), counter, length, top, diff=diff, side=side)
+        outs = interpret(walker, body.jaxpr, body.consts, list(args), child)
+        if side is None:
+            return outs
+        sides[:] = [side]
+        return list(outs) + side.values  # buffered primitive-tap values ride out
+
+    def in_body(*args):
+        def fn(*a):
+            consts, counter, rest = a[:nc], a[nc], a[nc + 1:]
+            outs = stepped_body(counter, *consts, *rest, diff=True)
+            if emits:
+                # tie the step to the carry: a tap that ships only the step must
+                # not look loop-invariant to autodiff's partial evaluation
+                step = _seam.optimization_barrier((counter, *outs[:ncar]))[0] if ncar else counter
+                walker.emit_loop(wants, path, top, length, step, outs[:ncar], outs[ncar:], batched_hop=False)
+            return [lax.add(counter, _one())] + list(outs)
+
+        avals = list(body.in_avals)
+        new_body = _seam.trace_closed(fn, avals[:nc] + [_int32_aval()] + avals[nc:])
+        new_params = _seam.scan_with_counter(params, new_body)
+        outs = _bind(eqn, _seam.scan_p, list(args[:nc]) + [np.int32(0)] + list(args[nc:]), new_params)
+        return outs[1:]
+
+    if length == 0:
+        return _bind(eqn, _seam.scan_p, invals, params)  # no step to observe
+    if not emits and not walker.buffers_prims:
+        return in_body(*invals)
+    if length == 1 and not walker.needs(body.jaxpr):
+        # XLA inlines a one-trip loop: keep the scan as it is and observe its
+        # outputs after it (the carry after step 0, and ys[0])
+        outs = _bind(eqn, _seam.scan_p, invals, params)
+        ys0 = [_seam.index_in_dim(y, np.int32(0)) for y in outs[ncar:]]
+        walker.emit_loop(wants, path, top, length, np.int32(0), outs[:ncar], ys0, batched_hop=scope.diff is False)
+        return outs
+    stepped = _seam.trace_closed(stepped_body, [_int32_aval()] + list(body.in_avals))
+    side = sides[0] if sides and sides[0].entries else None
+    if not emits and side is None:
+        return in_body(*invals)  # no buffered tap in this body after all
+
+    def driven(*args):
+        return _scan_driver(walker, wants, params, stepped, path, top, args, side)
+
+    return _seam.with_jvp_rule(driven, in_body, list(invals))
+
+
+def _next_stop(i, k):
+    """One past the next sampled step (steps 0, k, 2k, ... are sampled)."""
+    return lax.add(lax.mul(lax.div(lax.add(i, lax.sub(k, _one())), k), k), _one())
+
+
+def _drive(walker, wants, path, top, total, state, run_until, alive, observe, uniform, side=None):
+    """The driver: run the effect-free runner up to each sampled step, emit.
+
+    ``run_until(i, stop, state) -> (i2, state2)`` runs user steps
+    ``i .. stop-1`` (fewer if the loop ends); ``alive(i, state)`` says whether
+    the loop goes on; ``observe(last, state) -> (carry, ys)`` gives what a
+    step's tap sees: ``(carry, ys, side values)``. ``uniform``: every runner
+    call ends on a sampled step unless the loop ended (a scan), so
+    sample_every=1 needs no gate. With ``flush_every=K``, K sampled steps are
+    buffered on device and cross in one hop; ``side`` holds the buffered
+    primitive taps of the body, whose latest values the runner carries.
+    """
+    plan = walker.plan
+    every, flush = plan.sample_every, plan.flush_every
+    metas, loop_payloads = walker.loop_parts(wants, path, top, total)
+    if side is None:
+        def payloads(carry, ys, side_values):
+            return loop_payloads(carry, ys)
+    else:  # a step's primitive events come before its carry, as unbuffered
+        metas = side.metas + metas
+
+        def payloads(carry, ys, side_values):
+            return side.payloads(side_values) + loop_payloads(carry, ys)
+    n_state = len(state)
+
+    def advance(i, k, st):
+        i2, st2 = run_until(i, _next_stop(i, k), st)
+        last = lax.sub(i2, _one())
+        fired = lax.bitwise_and(lax.gt(i2, i), lax.eq(lax.rem(last, k), np.int32(0)))
+        return i2, list(st2), last, fired
+
+    # The sampling period enters as a runtime value so XLA cannot prove the
+    # runner's trip count and fold it into the driver.
+    k0 = _seam.optimization_barrier(np.int32(every))
+
+    if flush is None and uniform:
+        # A scan: the driver stops right after the last sampled step, so every
+        # runner call ends on a sampled step and the hop needs no gate; the
+        # steps after it run in one more runner call.
+        n = np.int32(total)
+        n_emit = np.int32(((total - 1) // every) * every + 1)
+
+        def d_body(s):
+            i, k, st = s[0], s[1], list(s[2:])
+            i2, st2, last, _ = advance(i, k, st)
+            seen = observe(last, st2)
+            emit(metas, lambda: payloads(*seen), walker.sinks.guard, step=last, sample_every=1)
+            return (i2, k, *st2)
+
+        out = _seam.while_loop(lambda s: lax.lt(s[0], n_emit), d_body, (np.int32(0), k0, *state))
+        i, st = out[0], list(out[2:])
+        if total - 1 > int(n_emit) - 1:
+            _, st = run_until(i, n, st)
+        return list(st)
+
+    if flush is None:
+        def d_body(s):
+            i, k, st = s[0], s[1], list(s[3:])
+            i2, st2, last, fired = advance(i, k, st)
+            seen = observe(last, st2)
+            emit(metas, lambda: payloads(*seen), walker.sinks.guard, step=last, sample_every=every,
+                 valid=fired)
+            return (i2, k, alive(i2, st2), *st2)
+
+        out = _seam.while_loop(lambda s: s[2], d_body, (np.int32(0), k0, alive(np.int32(0), state), *state))
+        return list(out[3:])
+
+    buf = Buffer(metas, payloads, observe, flush, walker.sinks.guard)
+    if uniform:  # a scan: stop after the last sampled step (as above), no write gate
+        n = np.int32(total)
+        n_emit = np.int32(((total - 1) // every) * every + 1)
+        alive = lambda i, st: lax.lt(i, n_emit)  # noqa: E731
+
+    def d_body(s):
+        i, k, live, st = s[0], s[1], s[2], list(s[3:3 + n_state])
+
+        def c_body(cs):
+            i, j, _, st, bufs = cs[0], cs[1], cs[2], list(cs[3:3 + n_state]), list(cs[3 + n_state:])
+            i2, st2, last, fired = advance(i, k, st)
+            j2, bufs2 = buf.write(None if uniform else fired, j, last, st2, bufs)
+            return (i2, j2, alive(i2, st2), *st2, *bufs2)
+
+        cs = _seam.while_loop(lambda cs: lax.bitwise_and(cs[2], lax.lt(cs[1], np.int32(flush))), c_body,
+                              (i, np.int32(0), live, *st, *buf.empty()))
+        i2, count, live2, st2, bufs = cs[0], cs[1], cs[2], list(cs[3:3 + n_state]), list(cs[3 + n_state:])
+        buf.flush(count, bufs)
+        return (i2, k, live2, *st2)
+
+    buf.prepare(state)
+    out = _seam.while_loop(lambda s: s[2], d_body, (np.int32(0), k0, alive(np.int32(0), state), *state))
+    st = list(out[3:])
+    if uniform and total - 1 > int(n_emit) - 1:
+        _, st = run_until(out[0], n, st)
+    return list(st)
+
+
+def _scan_driver(walker, wants, params, stepped, path, top, args, side):
+    body, nc, ncar, length = _seam.scan_parts(params)
+    reverse = _seam.scan_reverse(params)
+    consts, carry, xs = args[:nc], args[nc:nc + ncar], args[nc + ncar:]
+    ys0 = [_seam.empty_stack(length, aval) for aval in body.out_avals[ncar:]]
+    nys = len(ys0)
+    side0 = [_seam.empty_like(aval) for aval in stepped.out_avals[ncar + nys:]]
+    n = np.int32(length)
+
+    def position(i):
+        return lax.sub(lax.sub(n, i), _one()) if reverse else i
+
+    def run_until(i, stop, st):
+        def r_body(s):
+            i, c, ys = s[0], s[2:2 + ncar], s[2 + ncar:2 + ncar + nys]
+            idx = position(i)
+            x = [_seam.index_in_dim(v, idx) for v in xs]
+            outs = _seam.call_closed(stepped, [i, *consts, *c, *x])
+            ys = [_seam.update_index_in_dim(b, y, idx) for b, y in zip(ys, outs[ncar:ncar + nys])]
+            return (lax.add(i, _one()), s[1], *outs[:ncar], *ys, *outs[ncar + nys:])
+
+        out = _seam.while_loop(lambda s: lax.lt(s[0], s[1]), r_body, (i, lax.min(stop, n), *st))
+        return out[0], out[2:]
+
+    def observe(last, st):
+        ys_now = [_seam.index_in_dim(b, position(last)) for b in st[ncar:ncar + nys]] if wants[1] else []
+        return st[:ncar], ys_now, st[ncar + nys:]
+
+    if wants[1] and not ys0:
+        wants = (wants[0], False)  # a body returning (carry, None) has no outputs
+    state = [*carry, *ys0, *side0]
+    out = _drive(walker, wants, path, top, length, state, run_until, lambda i, st: lax.lt(i, n),
+                 observe, uniform=True, side=side)
+    return out[:ncar + nys]
+
+
+def handle_while(walker, eqn, params, invals, scope, site):
+    """A while loop: observed through a driver and an effect-free runner.
+
+    When this loop emits, it becomes two nested while loops: the *runner*
+    executes the user's cond and body unchanged up to the next sampled step
+    and holds no host callback (so XLA compiles the user's arithmetic as it
+    would untapped - e.g. CPU's "small call" outlining still applies), and
+    the *driver* around it emits the sampled carry.
+    """
+    cond, cnc, body, bnc = _seam.while_parts(params)
+    path, top = scope.address("while", site)
+    wants = walker.loop_wants("while", path)
+    emits = any(wants)
+    if not emits and not walker.needs(body.jaxpr):
+        return _bind(eqn, _seam.while_p, invals, params)
+    cconsts, bconsts, init = invals[:cnc], invals[cnc:cnc + bnc], invals[cnc + bnc:]
+
+    def lane_pred(carry, cc=cconsts):
+        return _seam.eval_jaxpr(cond.jaxpr, cond.consts, *cc, *carry)[0]
+
+    # A while loop that vmap batched keeps a per-lane predicate: it runs while
+    # any lane is alive and finished lanes keep their carry (as its lowering does).
+    batched = bool(cond.out_avals[0].shape)
+
+    def user_cond(carry):
+        pred = lane_pred(carry)
+        return _seam.any_lane(pred) if batched else pred
+
+    sides = []
+
+    def user_body(step, carry, bc=bconsts, cc=cconsts, buffered=False):
+        side = Side() if buffered else None
+        # a while body is never transposed: its taps may use the vmap-aware hop
+        child = scope.child(path, Counter(), step, None, top, diff=False, side=side)
+        child.alive = lane_pred(carry, cc)
+        outs = interpret(walker, body.jaxpr, body.consts, list(bc) + list(carry), child)
+        if batched:
+            pred = lane_pred(carry, cc)
+            outs = [_seam.select_lanes(pred, new, old) for new, old in zip(outs, carry)]
+        if side is not None:
+            sides[:] = [side]
+            outs = list(outs) + side.values  # buffered primitive-tap values ride out
+        return outs
+
+    ncarry, nb, nk, stepped = len(init), len(bconsts), len(cconsts), None
+    if walker.buffers_prims and walker.needs(body.jaxpr):
+        # the consts enter as arguments: a traced step must not close over tracers
+        stepped = _seam.trace_closed(
+            lambda step, *a: user_body(step, a[nb + nk:], a[:nb], a[nb:nb + nk], buffered=True),
+            [_int32_aval()] + [_seam.abstractify(x) for x in [*bconsts, *cconsts, *init]])
+        if not sides[0].entries:
+            stepped = None  # no buffered tap in this body after all
+    side = sides[0] if stepped is not None else None
+
+    if not emits and side is None:
+        # Nothing to emit here: only thread the step through for the inner taps.
+        def plain_body(s):
+            return (lax.add(s[0], _one()), *user_body(s[0], s[1:]))
+
+        out = _seam.while_loop(lambda s: user_cond(s[1:]), plain_body, (np.int32(0), *init))
+        return list(out[1:])
+
+    def step_fn(step, carry):
+        if stepped is None:
+            return user_body(step, carry)
+        return _seam.call_closed(stepped, [step, *bconsts, *cconsts, *carry])
+
+    def run_until(i, stop, state):
+        def r_cond(s):
+            return lax.bitwise_and(user_cond(s[2:2 + ncarry]), lax.lt(s[0], s[1]))
+
+        def r_body(s):
+            return (lax.add(s[0], _one()), s[1], *step_fn(s[0], s[2:2 + ncarry]))
+
+        out = _seam.while_loop(r_cond, r_body, (i, stop, *state))
+        return out[0], list(out[2:])
+
+    side0 = [] if stepped is None else [_seam.empty_like(a) for a in stepped.out_avals[ncarry:]]
+    out = _drive(walker, wants, path, top, None, list(init) + side0, run_until,
+                 lambda i, st: user_cond(st[:ncarry]), lambda last, st: (st[:ncarry], [], st[ncarry:]),
+                 uniform=False, side=side)
+    return out[:ncarry]
+
+
+HANDLERS[_seam.SCAN] = handle_scan
+HANDLERS[_seam.WHILE] = handle_while

@@ -1,0 +1,250 @@
+"""Buffered streaming (``flush_every=K``): the same events, far fewer hops.
+
+Every buffered run is compared with the unbuffered run of the same program:
+per address, kind and lane, the events (step, total, value bits) must be
+identical and in step order, and the program's outputs must be bitwise those
+of the untapped program.
+"""
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from taputil import assert_bits, sync
+
+import jaxtap as tap
+from jaxtap import _emit
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*matched nothing")
+
+
+# ------------------------------------------------------------------ programs
+def scan_ys(x):
+    def body(c, t):
+        s = jnp.sin(c * t + 0.1)
+        return c * 0.97 + s * 0.05, (s.sum(), jnp.cos(c))
+    return jax.lax.scan(body, x, jnp.linspace(0.0, 2.0, 23))
+
+
+def scan_reverse(x):
+    def body(c, t):
+        return c + jnp.sin(c - t) * 0.1, jnp.sin(t)
+    return jax.lax.scan(body, x, jnp.arange(9.0), reverse=True)
+
+
+def while_loop(x):
+    def body(s):
+        i, c = s
+        return i + 1, c + jnp.sin(c) * 0.1 + 0.01
+    return jax.lax.while_loop(lambda s: s[1].sum() < 6.0, body, (0, x))
+
+
+def nested(x):
+    def inner(c, t):
+        return c * 0.9 + jnp.sin(c + t), jnp.cos(c).sum()
+
+    def outer(c, t):
+        c, ys = jax.lax.scan(inner, c, jnp.arange(4.0) * t)
+        return jnp.sin(c) + 0.5, ys.sum()
+    return jax.lax.scan(outer, x, jnp.arange(6.0))
+
+
+def wrapped_body(x):
+    """sin inside a jit, a checkpoint and a cond branch of the body."""
+    def body(c, t):
+        c = jax.jit(lambda z: jnp.sin(z) * 1.5)(c + t)
+        c = jax.checkpoint(lambda z: jnp.sin(z) + 0.25)(c)
+        c = jax.lax.cond(c.sum() > 0, jnp.sin, lambda z: z * 0.5, c)
+        return c, None
+    return jax.lax.scan(body, x, jnp.arange(11.0))
+
+
+def dict_carry(x):
+    def body(c, t):
+        v = c["v"] + jnp.sin(c["x"]) * 0.1
+        return {"x": c["x"] + v * 0.1, "v": v, "n": c["n"] + 1}, None
+    return jax.lax.scan(body, {"x": x, "v": jnp.zeros_like(x), "n": jnp.int32(0)}, None, length=13)
+
+
+PROGRAMS = {
+    "scan_ys": (scan_ys, False),
+    "scan_reverse": (scan_reverse, False),
+    "while": (while_loop, False),
+    "nested": (nested, False),
+    "wrapped_body": (wrapped_body, False),
+    "dict_carry": (dict_carry, False),
+    "vmap_scan": (scan_ys, True),
+    "vmap_while": (while_loop, True),  # lanes finish at different steps
+    "vmap_nested": (nested, True),
+}
+
+
+def _x(batched):
+    x = jnp.linspace(0.3, 1.2, 3, dtype=jnp.float32)
+    return jnp.stack([x * (1 + 0.4 * k) for k in range(4)]) if batched else x
+
+
+def _record_events(fn, batched, **cfg):
+    f = jax.jit(jax.vmap(fn) if batched else fn)
+    with tap.record(**cfg) as rec:
+        out = sync(f(_x(batched)))
+    return out, rec.events
+
+
+def _cfg(flush_every=None, sample_every=1):
+    return dict(select=lambda leaves: [jnp.sum(leaf) for leaf in leaves],
+                select_ys=lambda ys: ys, flush_every=flush_every, sample_every=sample_every,
+                taps=[tap.on("sin", select=lambda o: {"mean": o[0].mean(), "tag": "sin"}),
+                      tap.on("cos")])
+
+
+def _by_stream(events):
+    """(path, kind, lane) -> [(step, total, value bits), ...] in arrival order."""
+    out = {}
+    for e in events:
+        leaves = [np.asarray(v) for v in jax.tree_util.tree_leaves(e.value)]
+        bits = tuple((v.dtype.str, v.shape, v.tobytes()) if isinstance(v, np.ndarray) else v for v in leaves)
+        out.setdefault((e.path, e.kind, e.lane), []).append((e.step, e.total, bits))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+@pytest.mark.parametrize("flush_every,sample_every", [(1, 1), (4, 1), (1000, 1), (3, 2)])
+def test_buffered_events_equal_unbuffered(name, flush_every, sample_every):
+    fn, batched = PROGRAMS[name]
+    plain = sync(jax.jit(jax.vmap(fn) if batched else fn)(_x(batched)))
+    out0, ev0 = _record_events(fn, batched, **_cfg(None, sample_every))
+    out1, ev1 = _record_events(fn, batched, **_cfg(flush_every, sample_every))
+    assert_bits(out0, plain)
+    assert_bits(out1, plain)
+    assert ev0, "the unbuffered run recorded nothing"
+    s0, s1 = _by_stream(ev0), _by_stream(ev1)
+    assert s1.keys() == s0.keys()
+    for key in s0:
+        assert s1[key] == s0[key], key
+        steps = [s for s, _, _ in s1[key]]
+        if "nested" not in name:  # (an inner loop's steps restart with each outer step)
+            assert steps == sorted(steps), f"{key}: not in step order"
+
+
+def test_single_loop_delivers_step_after_step():
+    # one loop: step by step, a step's primitive events (in program order)
+    # before its carry and its outputs
+    _, ev1 = _record_events(scan_ys, False, **_cfg(5))
+    per_step = ["scan[0]/sin[0]", "scan[0]/cos[0]", "scan[0]", "scan[0]"]
+    assert [(e.path, e.step) for e in ev1] == [(p, i) for i in range(23) for p in per_step]
+    assert [e.kind for e in ev1[:4]] == ["primitive", "primitive", "carry", "output"]
+
+
+@pytest.fixture
+def hops(monkeypatch):
+    """Counts host hops that reach the host (not stagings)."""
+    count = [0]
+    real = _emit.hop
+
+    def counting(host, args, batched=True):
+        def counted(*a, **k):
+            count[0] += 1
+            return host(*a, **k)
+        if hasattr(host, "lanes"):
+            counted.lanes = lambda *a: (count.__setitem__(0, count[0] + 1), host.lanes(*a))
+        return real(counted, args, batched)
+
+    monkeypatch.setattr(_emit, "hop", counting)
+    return count
+
+
+def _scan50(x):
+    def body(c, t):
+        return c * 0.99 + jnp.sin(c + t) * 0.01, None
+    return jax.lax.scan(body, x, jnp.arange(50.0))[0]
+
+
+@pytest.mark.parametrize("k,expected", [(None, 50), (10, 5), (7, 8), (50, 1), (1000, 1)])
+def test_one_hop_per_k_steps_plus_the_partial_one(hops, k, expected):
+    # carry and primitive events of a step share the hop; 50 steps, K=7: 7 full + 1 partial
+    with tap.record(select=lambda l: l[0].mean(), taps=[tap.on("sin", select=lambda o: o[0].max())],
+                    flush_every=k) as rec:
+        sync(jax.jit(_scan50)(jnp.ones(3)))
+    # unbuffered: a primitive hop and a carry hop per step
+    assert hops[0] == (2 * expected if k is None else expected)
+    assert len(rec.events) == 100
+
+
+def test_primitive_taps_alone_are_buffered(hops):
+    with tap.record(where=lambda p: False, taps=[tap.on("sin", select=lambda o: o[0].sum())],
+                    flush_every=100) as rec:
+        sync(jax.jit(_scan50)(jnp.ones(3)))
+    assert hops[0] == 1
+    assert [e.step for e in rec.events] == list(range(50))
+    assert {e.path for e in rec.events} == {"scan[0]/sin[0]"}
+
+
+def test_wrapping_form_buffers_too(hops):
+    got = []
+    g = jax.jit(tap.verbose(_scan50, on_step=got.append, select=lambda l: l[0].sum(), flush_every=16))
+    out = sync(g(jnp.ones(3)))
+    assert_bits(out, jax.jit(_scan50)(jnp.ones(3)))
+    assert hops[0] == 4  # 16 + 16 + 16 + 2
+    assert [e.step for e in got] == list(range(50))
+    assert all(e.total == 50 and e.kind == "carry" for e in got)
+
+
+def test_tripwires_still_trip_when_buffered(capfd):
+    def f(x):
+        def body(c, t):
+            return c - 0.3, jnp.log(c)
+        return jax.lax.scan(body, x, None, length=6)
+
+    with tap.record(taps=[tap.watch_nan("log")], flush_every=100, where=lambda p: False):
+        sync(jax.jit(f)(jnp.float32(1.0)))
+    assert "[tap] FAIL scan[0]/log[0] 4/6" in capfd.readouterr().err
+
+
+def test_gradients_are_bitwise_under_buffering():
+    def loss(w):
+        def body(c, t):
+            c = jnp.tanh(c * w + jnp.sin(t)) * 0.9
+            return c, jnp.sin(c).sum()
+        c, ys = jax.lax.scan(body, jnp.ones(4) * 0.1, jnp.linspace(0, 1, 17))
+        return (c ** 2).sum() + ys.sum()
+
+    w = jnp.float32(0.7)
+    want = sync(jax.jit(jax.value_and_grad(loss))(w))
+    with tap.record(select=lambda l: l[0].sum(), taps=[tap.on("sin")], flush_every=5) as rec:
+        got = sync(jax.jit(jax.value_and_grad(loss))(w))
+    assert_bits(got, want)
+    # the forward scan and its transpose (the backward loop) both report
+    assert [e.step for e in rec.events if e.path == "scan[0]"] == list(range(17))
+    assert [e.step for e in rec.events if e.path == "scan[0]/sin[1]"] == list(range(17))
+
+
+def test_events_arrive_while_the_loop_runs():
+    """Liveness: the first buffer reaches the host before the program ends."""
+    done = threading.Event()
+    seen_before_done = []
+
+    def on_step(e):
+        if not seen_before_done:
+            seen_before_done.append(not done.is_set())
+
+    def f(x):
+        def body(s):
+            i, c = s
+            return i + 1, jnp.tanh(c @ c.T) * 0.5 + c * 0.5
+        return jax.lax.while_loop(lambda s: s[0] < 4000, body, (0, x))[1]
+
+    g = jax.jit(tap.verbose(f, on_step=on_step, select=lambda l: l[0], flush_every=10))
+    out = g(jnp.eye(64) * 0.1)
+    jax.block_until_ready(out)
+    done.set()
+    sync()
+    assert seen_before_done == [True]
+
+
+def test_buffered_events_hold_host_copies_only():
+    with tap.record(select=lambda l: l[0], flush_every=1000) as rec:
+        sync(jax.jit(_scan50)(jnp.ones(3)))
+    values = [e.value for e in rec.events]
+    assert all(type(v) is np.ndarray and v.base is None and v.shape == (3,) for v in values)

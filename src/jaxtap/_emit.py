@@ -78,9 +78,9 @@ def _split_payload(value):
 class Meta:
     """Where one event of a tap goes (the host side of one part of a hop)."""
 
-    __slots__ = ("deliver", "path", "top", "total", "kind")
+    __slots__ = ("deliver", "path", "top", "total", "kind", "gated")
 
-    def __init__(self, deliver, path, top, total, kind):
+    def __init__(self, deliver, path, top, total, kind, gated=False):
         # deliver(event, top), host side; ``top`` (the top-level loop) only
         # matters to sinks that route, and those offer ``resolve`` as well
         self.deliver = deliver
@@ -88,6 +88,9 @@ class Meta:
         self.top = top
         self.total = total
         self.kind = kind
+        # gated: the payload is (fired?, value) and the event exists only if
+        # it fired (a buffered tap inside a cond branch)
+        self.gated = gated
 
 
 def _split_all(values):
@@ -113,6 +116,10 @@ def _deliver_row(metas, layouts, guard, step, arrays, row, lane):
                 leaves = [static[i] if i in static else _own(next(it) if row is None else next(it)[row])
                           for i in range(n)]
                 value = jax.tree_util.tree_unflatten(treedef, leaves)
+            if meta.gated:
+                fired, value = value
+                if not fired:
+                    continue
             meta.deliver(make_event(meta.path, step, value, meta.total, meta.kind, lane), meta.top)
         except Exception as exc:  # noqa: BLE001 - totality
             guard.failed(exc)
@@ -374,7 +381,13 @@ class Side:
         self.entries = []  # (meta, static leaves, treedef, n leaves, n array leaves)
         self.values = []  # traced arrays, entry after entry
 
-    def add(self, meta, value):
+    def add(self, meta, value, fired=None):
+        """Record ``value`` for ``meta``; with ``fired`` (traced bool), the
+        event exists only where it is true."""
+        if fired is not None:
+            if not meta.gated:
+                meta = Meta(meta.deliver, meta.path, meta.top, meta.total, meta.kind, gated=True)
+            value = (fired, value)
         dynamic, static, treedef, n = _split_payload(value)
         self.entries.append((meta, static, treedef, n, len(dynamic)))
         self.values.extend(dynamic)

@@ -65,6 +65,12 @@ class Counter:
         self._next[name] = n + 1
         return n
 
+    def save(self):
+        return dict(self._next)
+
+    def restore(self, saved):
+        self._next = dict(saved)
+
 
 class Scope:
     """Where the walk is: address prefix, numbering, innermost loop's step."""
@@ -355,18 +361,57 @@ def handle_jit(walker, eqn, params, invals, scope, site):
 
 
 def handle_cond(walker, eqn, params, invals, scope, site):
-    # Branches are separate traces with no common output for a buffered value:
-    # primitive taps in them hop when they fire (side=None).
     threaded = scope.step is not None
-    branches = [
-        walker.rewrite_closed(
-            br, _child_scope_fn(scope, scope.prefix, scope.counter, threaded),
-            [_int32_aval()] if threaded else [],
-        )
-        for br in _seam.cond_branches(params)
-    ]
-    new_params = _seam.cond_with_branches(params, branches)
-    return _bind(eqn, _seam.cond_p, list(invals) + ([scope.step] if threaded else []), new_params)
+    extra = [_int32_aval()] if threaded else []
+    scope_fn = _child_scope_fn(scope, scope.prefix, scope.counter, threaded)
+    branches = _seam.cond_branches(params)
+    args = list(invals) + ([scope.step] if threaded else [])
+    if scope.side is None:
+        new = [walker.rewrite_closed(br, scope_fn, extra) for br in branches]
+        return _bind(eqn, _seam.cond_p, args, _seam.cond_with_branches(params, new))
+    saved = scope.counter.save()
+    first = [walker.rewrite_exporting(br, scope_fn, extra) for br in branches]
+    if not any(side.values for _, side in first):
+        return _bind(eqn, _seam.cond_p, args, _seam.cond_with_branches(params, [c for c, _ in first]))
+    return _buffered_cond(walker, eqn, params, args, scope, scope_fn, extra, saved,
+                          [list(c.out_avals[len(br.out_avals):]) for (c, _), br in zip(first, branches)])
+
+
+def _buffered_cond(walker, eqn, params, args, scope, scope_fn, extra, saved, regions):
+    """A cond whose branches hold buffered primitive taps: every branch
+    returns every branch's values (its own; unspecified for the others), and
+    each value is kept with "this branch ran" as its gate."""
+    scope.counter.restore(saved)  # the second tracing numbers nodes as the first did
+    branches, sides = _seam.cond_branches(params), []
+
+    def padded(b, br):
+        n = len(br.in_avals)
+
+        def fn(*a):
+            inner = scope_fn(a[n:])
+            inner.side = side = Side()
+            outs = interpret(walker, br.jaxpr, br.consts, a[:n], inner)
+            sides.append(side)
+            pads = [side.values if c == b else [_seam.empty_like(av) for av in region]
+                    for c, region in enumerate(regions)]
+            return list(outs) + [v for pad in pads for v in pad]
+
+        return _seam.trace_closed(fn, list(br.in_avals) + extra)
+
+    new = [padded(b, br) for b, br in enumerate(branches)]
+    outs = _bind(eqn, _seam.cond_p, args, _seam.cond_with_branches(params, new))
+    n_out = len(branches[0].out_avals)
+    rest, index = outs[n_out:], args[0]
+    for c, side in enumerate(sides):
+        mine, rest = rest[:len(regions[c])], rest[len(regions[c]):]
+        ran = lax.eq(index, lax.convert_element_type(c, index.dtype))
+        for (meta, *_), value in zip(side.entries, side.payloads(mine)):
+            if meta.gated:  # already gated by a cond inside this branch
+                fired, value = value
+                scope.side.add(meta, value, fired=lax.bitwise_and(ran, fired))
+            else:
+                scope.side.add(meta, value, fired=ran)
+    return outs[:n_out]
 
 
 def handle_remat(walker, eqn, params, invals, scope, site):

@@ -95,6 +95,7 @@ def main(argv=None):
     sink = lambda *args: None  # noqa: E731
     mean = lambda leaves: leaves[0].mean()  # noqa: E731
     nothing = lambda e: None  # noqa: E731
+    never = lambda v: False  # noqa: E731
 
     arms = {}
 
@@ -116,12 +117,17 @@ def main(argv=None):
     arm("primitive tap sin every step", jax.jit(tap.verbose(make_bare(n), taps=[tap.on("sin", select=lambda o: o[0].mean())])))
     arm("primitive tap sin sample_every=100",
         jax.jit(tap.verbose(make_bare(n), taps=[tap.on("sin", select=lambda o: o[0].mean())], sample_every=100)))
+    arm("primitive tap sin, buffered flush_every=100",
+        jax.jit(tap.verbose(make_bare(n), taps=[tap.on("sin", select=lambda o: o[0].mean(), alert=never)],
+                            where=lambda p: False, flush_every=100)))
     arm("watch_nan sin (never trips)", jax.jit(tap.verbose(make_bare(n), taps=[tap.watch_nan("sin")])))
     with tap.record(select=mean):
         arm("with-form select=mean", bare)
     arm("bare after a with-block", bare)
     arm("nested scans, bare", jax.jit(make_nested(n)))
     arm("nested scans, verbose", jax.jit(tap.verbose(make_nested(n), on_step=nothing, select=mean)))
+    arm("nested scans, buffered flush_every=100",
+        jax.jit(tap.verbose(make_nested(n), on_step=nothing, select=mean, flush_every=100)))
     arm("while, bare", jax.jit(make_while(n)))
     arm("while, verbose", jax.jit(tap.verbose(make_while(n), on_step=nothing, select=mean)))
     arm("while, buffered flush_every=100", jax.jit(tap.verbose(make_while(n), on_step=nothing, select=mean,
@@ -132,6 +138,9 @@ def main(argv=None):
     arm("vmap 8 lanes, bare", jax.jit(jax.vmap(make_bare(n), in_axes=(0, None))), lanes)
     arm("vmap 8 lanes, verbose select=leaf", vm, lanes)
     arm("1 lane, verbose select=leaf", jax.jit(tap.verbose(make_bare(n), on_step=nothing, select=lambda l: l[0])))
+    arm("vmap 8 lanes, buffered flush_every=100",
+        jax.jit(jax.vmap(tap.verbose(make_bare(n), on_step=nothing, select=lambda leaves: leaves[0], flush_every=100),
+                         in_axes=(0, None))), lanes)
 
     # repeated wrapping-form calls without an outer jit vs plain f (eager)
     plain = make_bare(n)
@@ -151,6 +160,12 @@ def main(argv=None):
         "se=100 overhead per step / floor": (us["verbose sample_every=100"] - b) / floor,
         "buffered K=100, per event / floor": (us["buffered flush_every=100"] - b) / floor,
         "buffered K=1000, per event / floor": (us["buffered flush_every=1000"] - b) / floor,
+        "buffered primitive tap K=100, per event / floor":
+            (us["primitive tap sin, buffered flush_every=100"] - b) / floor,
+        "buffered nested scans K=100, per step / floor":
+            (us["nested scans, buffered flush_every=100"] - us["nested scans, bare"]) / floor,
+        "buffered vmap 8 lanes K=100, per step (8 events) / floor":
+            (us["vmap 8 lanes, buffered flush_every=100"] - us["vmap 8 lanes, bare"]) / floor,
         "after with-block / bare": us["bare after a with-block"] / b,
         "vmap 8 lanes / 1 lane, per step": (us["vmap 8 lanes, verbose select=leaf"] - us["vmap 8 lanes, bare"])
         / (us["1 lane, verbose select=leaf"] - b),

@@ -93,6 +93,46 @@ class Meta:
         self.gated = gated
 
 
+class Block(Meta):
+    """A whole inner scan's events, shipped as one payload of its enclosing
+    buffered step: every sub-entry's values stacked over the scan's steps.
+
+    The host expands it step by step, in execution order, into ordinary
+    events (and nested blocks), so the inner loop needs no callback at all.
+    """
+
+    __slots__ = ("subs", "length", "reverse")
+
+    def __init__(self, subs, length, reverse):
+        super().__init__(None, None, None, length, "block")
+        self.subs = subs  # Side entries of one step: (meta, static, treedef, n, n_dyn)
+        self.length = length
+        self.reverse = reverse
+
+    def expand(self, arrays, lane, guard):
+        """Deliver every step of ``arrays`` (host, one per value, steps leading)."""
+        n = self.length
+        for step in range(n):
+            row = n - 1 - step if self.reverse else step
+            offset = 0
+            for meta, static, treedef, count, n_dyn in self.subs:
+                mine, offset = arrays[offset:offset + n_dyn], offset + n_dyn
+                try:
+                    it = iter(mine)
+                    leaves = [static[i] if i in static else _own(next(it)[row]) for i in range(count)]
+                    if isinstance(meta, Block):
+                        meta.expand(leaves, lane, guard)
+                        continue
+                    value = jax.tree_util.tree_unflatten(treedef, leaves)
+                    if meta.gated:
+                        fired, value = value
+                        if not fired:
+                            continue
+                    meta.deliver(make_event(meta.path, step, value, meta.total, meta.kind, lane), meta.top)
+                except Exception as exc:  # noqa: BLE001 - totality
+                    guard.failed(exc)
+
+
 def _split_all(values):
     """Flatten several payload values into operands plus host layouts."""
     operands, layouts = [], []
@@ -109,12 +149,15 @@ def _deliver_row(metas, layouts, guard, step, arrays, row, lane):
     for meta, (static, treedef, n, n_dyn) in zip(metas, layouts):
         mine, offset = arrays[offset:offset + n_dyn], offset + n_dyn
         try:
-            if n == 1 and n_dyn == 1 and treedef.num_nodes == 1:  # a bare array: no tree to rebuild
-                value = _own(mine[0] if row is None else mine[0][row])
+            if n == 1 and n_dyn == 1 and treedef.num_nodes == 1 and not isinstance(meta, Block):
+                value = _own(mine[0] if row is None else mine[0][row])  # a bare array: no tree
             else:
                 it = iter(mine)
                 leaves = [static[i] if i in static else _own(next(it) if row is None else next(it)[row])
                           for i in range(n)]
+                if isinstance(meta, Block):
+                    meta.expand(leaves, lane, guard)
+                    continue
                 value = jax.tree_util.tree_unflatten(treedef, leaves)
             if meta.gated:
                 fired, value = value
@@ -219,7 +262,8 @@ def make_buffer_host(metas, layouts, guard: Guard):
         except Exception as exc:  # noqa: BLE001
             guard.failed(exc)
             return
-        if len(metas) == 1 and len(arrays) == 1 and layouts[0][2] == 1 and layouts[0][1].num_nodes == 1:
+        if (len(metas) == 1 and len(arrays) == 1 and layouts[0][2] == 1 and layouts[0][1].num_nodes == 1
+                and not metas[0].gated and not isinstance(metas[0], Block)):
             # the common case, one bare array per step: a tight loop
             meta = metas[0]
             _deliver_column(meta, guard, steps, arrays[0], count, lane)

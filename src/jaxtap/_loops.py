@@ -3,9 +3,9 @@
 An emitting loop becomes a *driver* loop that emits (or buffers, with
 ``flush_every``) each sampled step around an effect-free *runner* that
 executes the user's steps exactly as scan/while lower them, so XLA compiles
-the user's arithmetic as it would untapped. Under differentiation a scan
-takes a counter-in-carry form with the tap in its body instead (only a scan
-has a reverse-mode rule); ``custom_jvp`` picks the form.
+the user's arithmetic as it would untapped. Under differentiation the
+derivatives are those of the user's own, untapped loop (``custom_jvp``), and
+the tapped form runs on gradient-stopped inputs for the events alone.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 from jax import lax
 
 from . import _seam
-from ._emit import Buffer, Side, emit
+from ._emit import Block, Buffer, Side, emit
 from ._transform import HANDLERS, Counter, _bind, _int32_aval, _one, interpret
 
 
@@ -24,9 +24,8 @@ def handle_scan(walker, eqn, params, invals, scope, site):
     *driver* while loop that emits each sampled carry around a *runner* that
     executes the user's steps exactly as ``scan`` lowers them, with no host
     callback inside (so XLA compiles the user's arithmetic as it would
-    untapped). Differentiated, it is a scan with a step counter and the tap
-    in its body (``custom_jvp`` picks that form), because only a scan has a
-    reverse-mode rule.
+    untapped). Differentiated, the derivatives are those of the user's own
+    scan, and the driver runs on gradient-stopped inputs for the events.
     """
     body, nc, ncar, length = _seam.scan_parts(params)
     path, top = scope.address("scan", site)
@@ -37,9 +36,11 @@ def handle_scan(walker, eqn, params, invals, scope, site):
 
     sides = []
 
-    def stepped_body(counter, *args, diff=False):
-        side = Side() if walker.buffers_prims and not diff else None
-        child = scope.child(path, Counter(), counter, length, top, diff=diff, side=side)
+    def stepped_body(counter, *args, buffered=True):
+        # JAX never differentiates what runs here (see _seam.observed), so
+        # taps may use the vmap-aware hop (diff=False)
+        side = Side() if walker.buffers and buffered else None
+        child = scope.child(path, Counter(), counter, length, top, diff=False, side=side)
         outs = interpret(walker, body.jaxpr, body.consts, list(args), child)
         if side is None:
             return outs
@@ -47,14 +48,11 @@ def handle_scan(walker, eqn, params, invals, scope, site):
         return list(outs) + side.values  # buffered primitive-tap values ride out
 
     def in_body(*args):
+        # a scan that does not emit itself: its step counter rides in the carry
+        # for the taps inside it
         def fn(*a):
             consts, counter, rest = a[:nc], a[nc], a[nc + 1:]
-            outs = stepped_body(counter, *consts, *rest, diff=True)
-            if emits:
-                # tie the step to the carry: a tap that ships only the step must
-                # not look loop-invariant to autodiff's partial evaluation
-                step = _seam.optimization_barrier((counter, *outs[:ncar]))[0] if ncar else counter
-                walker.emit_loop(wants, path, top, length, step, outs[:ncar], outs[ncar:], batched_hop=False)
+            outs = stepped_body(counter, *consts, *rest, buffered=False)
             return [lax.add(counter, _one())] + list(outs)
 
         avals = list(body.in_avals)
@@ -63,26 +61,36 @@ def handle_scan(walker, eqn, params, invals, scope, site):
         outs = _bind(eqn, _seam.scan_p, list(args[:nc]) + [np.int32(0)] + list(args[nc:]), new_params)
         return outs[1:]
 
+    def plain(*args):
+        return _bind(eqn, _seam.scan_p, list(args), params)
+
     if length == 0:
-        return _bind(eqn, _seam.scan_p, invals, params)  # no step to observe
-    if not emits and not walker.buffers_prims:
-        return in_body(*invals)
+        return plain(*invals)  # no step to observe
+    if scope.side is not None and walker.plan.sample_every == 1:
+        # Inside a buffered step: this whole scan becomes one Block of that
+        # step, collected by a callback-free driver (never differentiated).
+        stepped = _seam.trace_closed(stepped_body, [_int32_aval()] + list(body.in_avals))
+        side = sides[0] if sides[0].entries else None
+        if emits or side is not None:
+            return _scan_driver(walker, wants, params, stepped, path, top, invals, side, collect=scope.side)
+    if not emits and not walker.buffers:
+        return _seam.observed(in_body, plain, list(invals))
     if length == 1 and not walker.needs(body.jaxpr):
         # XLA inlines a one-trip loop: keep the scan as it is and observe its
         # outputs after it (the carry after step 0, and ys[0])
-        outs = _bind(eqn, _seam.scan_p, invals, params)
+        outs = plain(*invals)
         ys0 = [_seam.index_in_dim(y, np.int32(0)) for y in outs[ncar:]]
         walker.emit_loop(wants, path, top, length, np.int32(0), outs[:ncar], ys0, batched_hop=scope.diff is False)
         return outs
     stepped = _seam.trace_closed(stepped_body, [_int32_aval()] + list(body.in_avals))
     side = sides[0] if sides and sides[0].entries else None
     if not emits and side is None:
-        return in_body(*invals)  # no buffered tap in this body after all
+        return _seam.observed(in_body, plain, list(invals))  # no buffered tap in this body after all
 
     def driven(*args):
         return _scan_driver(walker, wants, params, stepped, path, top, args, side)
 
-    return _seam.with_jvp_rule(driven, in_body, list(invals))
+    return _seam.observed(driven, plain, list(invals))
 
 
 def _next_stop(i, k):
@@ -90,7 +98,7 @@ def _next_stop(i, k):
     return lax.add(lax.mul(lax.div(lax.add(i, lax.sub(k, _one())), k), k), _one())
 
 
-def _drive(walker, wants, path, top, total, state, run_until, alive, observe, uniform, side=None):
+def _drive(walker, wants, path, top, total, state, run_until, alive, observe, uniform, side=None, collect=None):
     """The driver: run the effect-free runner up to each sampled step, emit.
 
     ``run_until(i, stop, state) -> (i2, state2)`` runs user steps
@@ -101,6 +109,9 @@ def _drive(walker, wants, path, top, total, state, run_until, alive, observe, un
     sample_every=1 needs no gate. With ``flush_every=K``, K sampled steps are
     buffered on device and cross in one hop; ``side`` holds the buffered
     primitive taps of the body, whose latest values the runner carries.
+    ``collect`` (a scan inside a buffered step, sample_every=1): every step is
+    written to one buffer of the scan's length, with no callback, and the
+    buffer joins ``collect`` (the enclosing step's Side) as a Block.
     """
     plan = walker.plan
     every, flush = plan.sample_every, plan.flush_every
@@ -157,6 +168,9 @@ def _drive(walker, wants, path, top, total, state, run_until, alive, observe, un
         out = _seam.while_loop(lambda s: s[2], d_body, (np.int32(0), k0, alive(np.int32(0), state), *state))
         return list(out[3:])
 
+    if collect is not None:
+        return _collect(metas, payloads, observe, total, state, run_until, k0, walker.sinks.guard, collect)
+
     buf = Buffer(metas, payloads, observe, flush, walker.sinks.guard)
     if uniform:  # a scan: stop after the last sampled step (as above), no write gate
         n = np.int32(total)
@@ -186,7 +200,24 @@ def _drive(walker, wants, path, top, total, state, run_until, alive, observe, un
     return list(st)
 
 
-def _scan_driver(walker, wants, params, stepped, path, top, args, side):
+def _collect(metas, payloads, observe, total, state, run_until, k, guard, into):
+    buf = Buffer(metas, payloads, observe, total, guard)
+    buf.prepare(state)
+    n, n_state = np.int32(total), len(state)
+
+    def c_body(cs):
+        i, j, st, bufs = cs[0], cs[1], list(cs[2:2 + n_state]), list(cs[2 + n_state:])
+        i2, st2 = run_until(i, lax.add(i, k), st)
+        j2, bufs2 = buf.write(None, j, i, list(st2), bufs)
+        return (i2, j2, *st2, *bufs2)
+
+    cs = _seam.while_loop(lambda cs: lax.lt(cs[0], n), c_body, (np.int32(0), np.int32(0), *state, *buf.empty()))
+    subs = [(meta, *layout) for meta, layout in zip(metas, buf.layouts)]
+    into.add(Block(subs, total, False), list(cs[3 + n_state:]))  # rows in execution order; steps implied
+    return list(cs[2:2 + n_state])
+
+
+def _scan_driver(walker, wants, params, stepped, path, top, args, side, collect=None):
     body, nc, ncar, length = _seam.scan_parts(params)
     reverse = _seam.scan_reverse(params)
     consts, carry, xs = args[:nc], args[nc:nc + ncar], args[nc + ncar:]
@@ -218,7 +249,7 @@ def _scan_driver(walker, wants, params, stepped, path, top, args, side):
         wants = (wants[0], False)  # a body returning (carry, None) has no outputs
     state = [*carry, *ys0, *side0]
     out = _drive(walker, wants, path, top, length, state, run_until, lambda i, st: lax.lt(i, n),
-                 observe, uniform=True, side=side)
+                 observe, uniform=True, side=side, collect=collect)
     return out[:ncar + nys]
 
 
@@ -229,7 +260,8 @@ def handle_while(walker, eqn, params, invals, scope, site):
     executes the user's cond and body unchanged up to the next sampled step
     and holds no host callback (so XLA compiles the user's arithmetic as it
     would untapped - e.g. CPU's "small call" outlining still applies), and
-    the *driver* around it emits the sampled carry.
+    the *driver* around it emits the sampled carry. Differentiated (forward
+    mode), the derivatives are those of the user's own loop.
     """
     cond, cnc, body, bnc = _seam.while_parts(params)
     path, top = scope.address("while", site)
@@ -237,6 +269,17 @@ def handle_while(walker, eqn, params, invals, scope, site):
     emits = any(wants)
     if not emits and not walker.needs(body.jaxpr):
         return _bind(eqn, _seam.while_p, invals, params)
+
+    def plain(*args):
+        return _bind(eqn, _seam.while_p, list(args), params)
+
+    def tapped(*args):
+        return _tapped_while(walker, scope, path, top, wants, emits, cond, cnc, body, bnc, list(args))
+
+    return _seam.observed(tapped, plain, list(invals))
+
+
+def _tapped_while(walker, scope, path, top, wants, emits, cond, cnc, body, bnc, invals):
     cconsts, bconsts, init = invals[:cnc], invals[cnc:cnc + bnc], invals[cnc + bnc:]
 
     def lane_pred(carry, cc=cconsts):
@@ -267,7 +310,7 @@ def handle_while(walker, eqn, params, invals, scope, site):
         return outs
 
     ncarry, nb, nk, stepped = len(init), len(bconsts), len(cconsts), None
-    if walker.buffers_prims and walker.needs(body.jaxpr):
+    if walker.buffers and walker.needs(body.jaxpr):
         # the consts enter as arguments: a traced step must not close over tracers
         stepped = _seam.trace_closed(
             lambda step, *a: user_body(step, a[nb + nk:], a[:nb], a[nb:nb + nk], buffered=True),

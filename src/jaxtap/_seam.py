@@ -243,14 +243,21 @@ def call_closed(closed, args):
     return list(eval_jaxpr_p.bind(*args, jaxpr=closed))
 
 
-def with_jvp_rule(primal_fn, differentiable_fn, args):
-    """Evaluate ``primal_fn(*args)``; differentiate through ``differentiable_fn``.
+def observed(tapped_fn, plain_fn, args):
+    """Evaluate ``tapped_fn(*args)``; differentiate ``plain_fn`` instead.
 
-    Both compute the same values; the first may be built from loops that have
-    no reverse-mode rule.
+    Both compute the same values; ``tapped_fn`` also emits. Under any
+    differentiation the derivatives (and the primal outputs) are exactly
+    those of ``plain_fn``, the user's untapped code, while ``tapped_fn``
+    runs on gradient-stopped inputs for its events alone.
     """
-    f = jax.custom_jvp(lambda *a: list(primal_fn(*a)))
-    f.defjvp(lambda primals, tangents: jax.jvp(lambda *a: list(differentiable_fn(*a)), primals, tangents))
+    f = jax.custom_jvp(lambda *a: list(tapped_fn(*a)))
+
+    def rule(primals, tangents):
+        tapped_fn(*[jax.lax.stop_gradient(p) for p in primals])  # the events
+        return jax.jvp(lambda *a: list(plain_fn(*a)), list(primals), list(tangents))
+
+    f.defjvp(rule)
     return f(*args)
 
 

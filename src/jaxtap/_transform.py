@@ -125,10 +125,10 @@ class Walker:
         self._needs: dict = {}
         self._tap_names = plan.tapped_names
         self._births = [(i, t) for i, t in enumerate(plan.prim_taps) if t.prim is None]
-        # with flush_every, streaming primitive taps in loop bodies are buffered
-        # (tripwires already cross only when they trip)
-        self.buffers_prims = plan.flush_every is not None and any(
-            t.prim is not None and t.mode not in ("nan", "nan_birth") for t in plan.prim_taps)
+        # with flush_every, a loop step collects what its body ships (primitive
+        # taps, whole inner scans) for its driver to buffer; tripwires are not
+        # buffered, they cross only when they trip
+        self.buffers = plan.flush_every is not None
 
     # -------------------------------------------------------------- decisions
     def top_scope(self):

@@ -286,3 +286,86 @@ def test_taps_in_cond_branches_are_buffered_and_gated(hops, batched):
     assert sorted({e.step for e in ev1 if e.path == "scan[0]/sin[0]"}) == list(range(0, 50, 2))
     assert sorted({e.step for e in ev1 if e.path == "scan[0]/sin[1]"}) == list(range(0, 50, 4))
     assert len(ev1) == lanes * (25 + 13)
+
+
+def _three_deep(x):
+    """scan > scan (reverse, in a jit) > scan, with a while beside them."""
+    def inner2(c, t):
+        return jnp.sin(c * t) * 0.5 + c * 0.5, jnp.cos(c).sum()
+
+    def inner(c, t):
+        c, ys = jax.lax.scan(inner2, c, jnp.arange(3.0) + t)
+        return c * 0.9 + 0.01, ys.sum()
+
+    def outer(c, t):
+        c, ys = jax.jit(lambda c: jax.lax.scan(inner, c, jnp.arange(4.0), reverse=True))(c + t)
+        n, c = jax.lax.while_loop(lambda s: s[0] < 2, lambda s: (s[0] + 1, jnp.sin(s[1])), (0, c))
+        return c, ys
+    return jax.lax.scan(outer, x, jnp.arange(5.0))
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_nested_scans_ship_inside_their_outer_step(hops, batched):
+    """With flush_every, an inner scan needs no callback: its events ride in
+    the outer step's buffer row (a while loop keeps its own buffer)."""
+    f = jax.jit(jax.vmap(_three_deep) if batched else _three_deep)
+    plain = f(_x(batched))
+    cfg = dict(select=lambda l: l[0].sum(), taps=[tap.on("sin", select=lambda o: o[0].sum())])
+    with tap.record(**cfg) as rec0:
+        sync(f(_x(batched)))
+    hops[0] = 0
+    with tap.record(flush_every=1000, **cfg) as rec1:
+        out = sync(f(_x(batched)))
+    assert_bits(out, plain)
+    s0, s1 = _by_stream(rec0.events), _by_stream(rec1.events)
+    if batched:
+        # the while's step counter is the same in every lane: unbuffered it is
+        # one unbatched event, buffered one event per lane (the row is batched)
+        none = s0.pop(("scan[0]/while[0]", "carry", None))
+        for lane in range(4):
+            assert s1.pop(("scan[0]/while[0]", "carry", lane)) == none
+    assert s1 == s0
+    # one hop for the outer buffer, and one per while-loop execution (5 outer steps)
+    assert hops[0] == 1 + 5
+    paths = {e.path for e in rec1.events}
+    assert {"scan[0]", "scan[0]/jit[0]/scan[0]", "scan[0]/jit[0]/scan[0]/scan[0]", "scan[0]/while[0]",
+            "scan[0]/jit[0]/scan[0]/scan[0]/sin[0]", "scan[0]/while[0]/sin[0]"} <= paths
+    inner = [e.step for e in rec1.events if e.path == "scan[0]/jit[0]/scan[0]" and e.lane in (None, 0)]
+    assert inner == [0, 1, 2, 3] * 5  # execution order, also for the reverse scan
+
+
+def test_inner_scan_events_come_before_their_outer_step():
+    with tap.record(select=lambda l: (), flush_every=100) as rec:
+        sync(jax.jit(nested)(_x(False)))
+    order = [(e.path, e.step) for e in rec.events if e.kind == "carry"]
+    per_outer = [("scan[0]/scan[0]", i) for i in range(4)]
+    assert order == [x for s in range(6) for x in per_outer + [("scan[0]", s)]]
+
+
+def _outer_inner(n_outer, n_inner, width):
+    def f(x):
+        def inner(c, t):
+            return c * 0.99 + jnp.sin(c + t) * 0.01, None
+
+        def outer(c, t):
+            c, _ = jax.lax.scan(inner, c + t, jnp.arange(float(n_inner)))
+            return c, None
+        return jax.lax.scan(outer, x, jnp.arange(float(n_outer)))[0]
+    return f, jnp.linspace(0.0, 1.0, width, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("n_inner,width,k,expected_hops", [
+    (8, 4, 10, 1),             # the inner scan rides in the outer buffer
+    (50, 4, 10, 3 * 5 + 1),    # longer than K: it flushes its own, K at a time
+    (20, 65536, 100, 3 + 1),   # rows of 256 KiB: a block would be too large
+])
+def test_when_an_inner_scan_rides_along(hops, n_inner, width, k, expected_hops):
+    f, x = _outer_inner(3, n_inner, width)
+    plain = jax.jit(f)(x)
+    with tap.record(select=lambda l: l[0], flush_every=k) as rec:
+        out = sync(jax.jit(f)(x))
+    assert_bits(out, plain)
+    assert hops[0] == expected_hops
+    inner = [e.step for e in rec.events if e.path == "scan[0]/scan[0]"]
+    assert inner == list(range(n_inner)) * 3
+    assert all(e.value.shape == (width,) for e in rec.events)

@@ -753,6 +753,9 @@ def verbose_for(prog, config, tally):
         return tap.verbose(prog.fn, on_step=tally.on_step, select=reduce_select)
     if config == "carry_every3":
         return tap.verbose(prog.fn, on_step=tally.on_step, sample_every=3)
+    if config == "buffered":
+        return tap.verbose(prog.fn, on_step=tally.on_step, select=reduce_select, flush_every=7,
+                           taps=_prim_taps(prog, tally))
     if config == "prim":
         # primitive taps only: tap.on counts firings through `alert`; watch_nan
         # only speaks on NaN, so a recorder (the B-form of tap.record) counts it.
@@ -771,6 +774,8 @@ def record_kwargs(prog, config, tally):
         return dict(on_step=tally.on_step, sample_every=3)
     if config == "prim":
         return dict(taps=_prim_taps(prog, tally))
+    if config == "buffered":
+        return dict(on_step=tally.on_step, select=reduce_select, flush_every=7, taps=_prim_taps(prog, tally))
     raise ValueError(config)
 
 
@@ -893,6 +898,9 @@ def _modes_for(i, prog):
             pairs.append(("grad2", "carry_default"))
         if i % 16 == 1:
             pairs.append(("grad", "carry_reduce"))
+    # buffered streaming (flush_every, primitive taps included) in one form each
+    buffered = ("jit", "with_jit", "vmap", "jit_grad" if prog.diff else "jit", "with_grad" if prog.diff else "with")
+    pairs.append((buffered[i % len(buffered)], "buffered"))
     if prog.on or prog.nan:
         pairs.append((("jit", "with_jit", "plain")[i % 3], "prim"))
         if prog.diff and i % 8 == 3:

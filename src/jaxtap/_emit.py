@@ -419,9 +419,13 @@ class Side:
     its selected value becomes an extra output of the step (threaded out of
     any ``jit`` or ``checkpoint`` around it), the runner carries the latest
     one, and the driver buffers it with the loop's own events.
+
+    ``rows``: how many copies of each value the outermost device buffer
+    holds (its capacity, times the lengths of the blocks in between).
     """
 
-    def __init__(self):
+    def __init__(self, rows=1):
+        self.rows = rows
         self.entries = []  # (meta, static leaves, treedef, n leaves, n array leaves)
         self.values = []  # traced arrays, entry after entry
 

@@ -35,11 +35,15 @@ def handle_scan(walker, eqn, params, invals, scope, site):
         return _bind(eqn, _seam.scan_p, invals, params)
 
     sides = []
+    # an inner scan no longer than K may ride in its enclosing buffered step
+    as_block = (scope.side is not None and walker.plan.sample_every == 1
+                and length <= walker.plan.flush_every)
+    rows = scope.side.rows * length if as_block else walker.plan.flush_every
 
     def stepped_body(counter, *args, buffered=True):
         # JAX never differentiates what runs here (see _seam.observed), so
         # taps may use the vmap-aware hop (diff=False)
-        side = Side() if walker.buffers and buffered else None
+        side = Side(rows) if walker.buffers and buffered else None
         child = scope.child(path, Counter(), counter, length, top, diff=False, side=side)
         outs = interpret(walker, body.jaxpr, body.consts, list(args), child)
         if side is None:
@@ -66,9 +70,10 @@ def handle_scan(walker, eqn, params, invals, scope, site):
 
     if length == 0:
         return plain(*invals)  # no step to observe
-    if scope.side is not None and walker.plan.sample_every == 1:
+    if as_block:
         # Inside a buffered step: this whole scan becomes one Block of that
-        # step, collected by a callback-free driver (never differentiated).
+        # step, collected by a callback-free driver (never differentiated),
+        # unless the block would make the device buffer too large.
         stepped = _seam.trace_closed(stepped_body, [_int32_aval()] + list(body.in_avals))
         side = sides[0] if sides[0].entries else None
         if emits or side is not None:
@@ -169,8 +174,12 @@ def _drive(walker, wants, path, top, total, state, run_until, alive, observe, un
         return list(out[3:])
 
     if collect is not None:
-        return _collect(metas, payloads, observe, total, state, run_until, k0, walker.sinks.guard, collect)
+        out = _collect(metas, payloads, observe, total, state, run_until, k0, walker.sinks.guard, collect)
+        if out is not None:
+            return out
 
+    if uniform:
+        flush = min(flush, total)  # a scan never needs more rows than steps
     buf = Buffer(metas, payloads, observe, flush, walker.sinks.guard)
     if uniform:  # a scan: stop after the last sampled step (as above), no write gate
         n = np.int32(total)
@@ -200,9 +209,15 @@ def _drive(walker, wants, path, top, total, state, run_until, alive, observe, un
     return list(st)
 
 
+_BLOCK_BYTES = 16 << 20  # the most device memory blocks may add to a buffer
+
+
 def _collect(metas, payloads, observe, total, state, run_until, k, guard, into):
     buf = Buffer(metas, payloads, observe, total, guard)
     buf.prepare(state)
+    per_step = sum(int(np.prod(s.shape, dtype=np.int64)) * np.dtype(s.dtype).itemsize + 4 for s in buf.shapes)
+    if into.rows * total * per_step > _BLOCK_BYTES:
+        return None
     n, n_state = np.int32(total), len(state)
 
     def c_body(cs):

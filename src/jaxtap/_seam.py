@@ -12,6 +12,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import jax.extend as jex
 import numpy as np
 from jax._src import config as _config
@@ -243,6 +244,12 @@ def call_closed(closed, args):
     return list(eval_jaxpr_p.bind(*args, jaxpr=closed))
 
 
+def _zero_tangent(x):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
 def observed(tapped_fn, plain_fn, args):
     """Evaluate ``tapped_fn(*args)``; differentiate ``plain_fn`` instead.
 
@@ -253,8 +260,14 @@ def observed(tapped_fn, plain_fn, args):
     """
     f = jax.custom_jvp(lambda *a: list(tapped_fn(*a)))
 
+    # The events-only run is one opaque equation to autodiff: partial
+    # evaluation (e.g. of jax.checkpoint) never looks inside it to recompute
+    # parts, which a while loop holding callbacks could not support.
+    events = jax.custom_jvp(lambda *a: list(tapped_fn(*a)))
+    events.defjvp(lambda p, t: (events(*p), [_zero_tangent(o) for o in events(*p)]))
+
     def rule(primals, tangents):
-        tapped_fn(*[jax.lax.stop_gradient(p) for p in primals])  # the events
+        events(*[jax.lax.stop_gradient(p) for p in primals])
         return jax.jvp(lambda *a: list(plain_fn(*a)), list(primals), list(tangents))
 
     f.defjvp(rule)
@@ -406,8 +419,16 @@ def jit_disabled() -> bool:
 
 def at_base_trace() -> bool:
     """True when binding evaluates eagerly or stages into a jaxpr directly
-    (not under a vmap/grad transformation trace)."""
-    return isinstance(_core.trace_ctx.trace, (_core.EvalTrace, _pe.DynamicJaxprTrace))
+    (not under a vmap/grad transformation trace, and not into autodiff's
+    tangent jaxpr: that is derivative code, which JAX transposes)."""
+    trace = _core.trace_ctx.trace
+    if isinstance(trace, _core.EvalTrace):
+        return True
+    if isinstance(trace, _pe.DynamicJaxprTrace):
+        # linearize's tangent traces (and remat's recompute traces) are the
+        # auto-DCE staging traces
+        return not getattr(getattr(trace, "frame", None), "auto_dce", False)
+    return False
 
 
 # ------------------------------------------------------------ interception

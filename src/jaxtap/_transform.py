@@ -191,11 +191,11 @@ class Walker:
 
         return _seam.trace_closed(fn, list(closed.in_avals) + list(extra_avals))
 
-    def rewrite_exporting(self, closed, scope_fn, extra_avals=()):
+    def rewrite_exporting(self, closed, scope_fn, extra_avals=(), rows=1):
         """:meth:`rewrite_closed` for a sub-trace of a buffered step: buffered
         primitive-tap values become extra outputs. Returns (closed, Side)."""
         n = len(closed.in_avals)
-        side = Side()
+        side = Side(rows)
 
         def fn(*args):
             scope = scope_fn(args[n:])
@@ -333,7 +333,7 @@ def _rewrite_sub(walker, closed, scope, scope_fn, extra_avals):
     Returns (closed, Side or None)."""
     if scope.side is None:
         return walker.rewrite_closed(closed, scope_fn, extra_avals), None
-    return walker.rewrite_exporting(closed, scope_fn, extra_avals)
+    return walker.rewrite_exporting(closed, scope_fn, extra_avals, scope.side.rows)
 
 
 def _adopt(scope, side, outs):
@@ -370,7 +370,7 @@ def handle_cond(walker, eqn, params, invals, scope, site):
         new = [walker.rewrite_closed(br, scope_fn, extra) for br in branches]
         return _bind(eqn, _seam.cond_p, args, _seam.cond_with_branches(params, new))
     saved = scope.counter.save()
-    first = [walker.rewrite_exporting(br, scope_fn, extra) for br in branches]
+    first = [walker.rewrite_exporting(br, scope_fn, extra, scope.side.rows) for br in branches]
     if not any(side.values for _, side in first):
         return _bind(eqn, _seam.cond_p, args, _seam.cond_with_branches(params, [c for c, _ in first]))
     return _buffered_cond(walker, eqn, params, args, scope, scope_fn, extra, saved,
@@ -389,7 +389,7 @@ def _buffered_cond(walker, eqn, params, args, scope, scope_fn, extra, saved, reg
 
         def fn(*a):
             inner = scope_fn(a[n:])
-            inner.side = side = Side()
+            inner.side = side = Side(scope.side.rows)
             outs = interpret(walker, br.jaxpr, br.consts, a[:n], inner)
             sides.append(side)
             pads = [side.values if c == b else [_seam.empty_like(av) for av in region]

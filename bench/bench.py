@@ -23,7 +23,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import jaxtap as tap  # noqa: E402
 
@@ -142,6 +141,13 @@ def main(argv=None):
         jax.jit(jax.vmap(tap.verbose(make_bare(n), on_step=nothing, select=lambda leaves: leaves[0], flush_every=100),
                          in_axes=(0, None))), lanes)
 
+    # under differentiation a tapped loop also runs untouched for the derivatives
+    def lossify(fn):
+        return lambda c0, xs: fn(c0, xs).sum()
+    arm("grad, bare", jax.jit(jax.grad(lossify(make_bare(n)))))
+    arm("grad, buffered flush_every=100",
+        jax.jit(jax.grad(lossify(tap.verbose(make_bare(n), on_step=nothing, select=mean, flush_every=100)))))
+
     # repeated wrapping-form calls without an outer jit vs plain f (eager)
     plain = make_bare(n)
     first_p, t_plain = timeit(plain, (c0, xs), repeats)
@@ -169,6 +175,8 @@ def main(argv=None):
         "after with-block / bare": us["bare after a with-block"] / b,
         "vmap 8 lanes / 1 lane, per step": (us["vmap 8 lanes, verbose select=leaf"] - us["vmap 8 lanes, bare"])
         / (us["1 lane, verbose select=leaf"] - b),
+        "tapping cost under grad / tapping cost without (buffered K=100)":
+            (us["grad, buffered flush_every=100"] - us["grad, bare"]) / (us["buffered flush_every=100"] - b),
         "repeated verbose call (1 event/call) / plain eager f": t_g / t_plain,
         "repeated verbose call (no emitting loop) / plain eager f": t_g0 / t_plain,
     }

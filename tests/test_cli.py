@@ -58,7 +58,8 @@ def test_help_lists_every_option(tmp_path):
     r = run_cli(tmp_path, "--help")
     assert r.returncode == 0, r.stderr
     for opt in ("--progress", "--watch-nan [PRIM]", "--print PRIM", "--sample-every N", "--max-depth N",
-                "--jsonl FILE", "--no-values", "--summary", "--version", "script", "examples:"):
+                "--jsonl FILE", "--no-values", "--flush-every K", "--summary", "--version", "script",
+                "examples:"):
         assert opt in r.stdout, opt
 
 
@@ -75,6 +76,16 @@ def test_summary_and_jsonl(script, tmp_path):
     assert [e.step for e in scan] == list(range(20)) and {e.total for e in scan} == {20}
     assert float(scan[0].value[0]) == 0.0 and scan[-1].value[0] == -float("inf")  # select=None: every leaf
     assert [e.step for e in events if e.path == "while[0]"] == list(range(7))
+
+
+def test_flush_every_records_the_same_events(script, tmp_path):
+    plain, buffered = tmp_path / "plain.jsonl", tmp_path / "buffered.jsonl"
+    for out, extra in ((plain, ()), (buffered, ("--flush-every", "6"))):
+        r = run_cli(tmp_path, "--jsonl", out, "--print", "log", *extra, script)
+        assert r.returncode == 0, r.stderr
+        assert r.stderr.count("[tap] scan[0]/log[0]") == 20
+    key = lambda e: (e.path, e.step, e.kind, repr(e.value))  # noqa: E731
+    assert sorted(map(key, tap.read_jsonl(buffered))) == sorted(map(key, tap.read_jsonl(plain)))
 
 
 def test_watch_nan_named_primitive(script, tmp_path):

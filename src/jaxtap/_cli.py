@@ -57,7 +57,7 @@ notes:
   Exit status: the script's own; 1 if it raised; 2 for bad options."""
 
 # options that always take a value / that may take one (see _split_argv)
-_VALUE_OPTS = {"--print", "--sample-every", "--max-depth", "--jsonl"}
+_VALUE_OPTS = {"--print", "--sample-every", "--max-depth", "--jsonl", "--flush-every"}
 _OPTIONAL_VALUE_OPTS = {"--watch-nan"}
 _PRIM_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-every", metavar="N", type=_positive_int, default=1,
                    help="observe only steps whose index is a multiple of N (gated on device; "
                         "also applies to --watch-nan/--print inside loops). Default 1")
+    p.add_argument("--flush-every", metavar="K", type=_positive_int, default=None,
+                   help="buffer K sampled steps on the device and ship them in one host hop "
+                        "(every step recorded at a fraction of the cost; events arrive K at a time)")
     p.add_argument("--max-depth", metavar="N", type=_nonneg_int, default=None,
                    help="observe loop carries only down to nesting depth N (0 = outermost loops); "
                         "primitive taps are not limited")
@@ -403,7 +406,7 @@ def main(argv=None) -> int:
     max_depth = ns.max_depth
     if ns.progress and not (ns.summary or ns.jsonl) and max_depth is None:
         max_depth = 0  # bars need the outermost loops only
-    cfg = dict(taps=taps, sample_every=ns.sample_every, max_depth=max_depth,
+    cfg = dict(taps=taps, sample_every=ns.sample_every, max_depth=max_depth, flush_every=ns.flush_every,
                select=None if (ns.jsonl and not ns.no_values) else _steps_only)
     if not wants_carry:
         cfg["where"] = _no_loops

@@ -112,6 +112,11 @@ class Block(Meta):
     def expand(self, arrays, lane, guard):
         """Deliver every step of ``arrays`` (host, one per value, steps leading)."""
         n = self.length
+        if len(self.subs) == 1 and not isinstance(self.subs[0][0], Block) and not self.subs[0][0].gated:
+            meta, static, treedef, count, n_dyn = self.subs[0]
+            if count == 1 and n_dyn == 1 and treedef.num_nodes == 1:  # one bare array a step: a column
+                _deliver_column(meta, guard, list(range(n)), arrays[0], n, lane)
+                return
         for step in range(n):
             row = n - 1 - step if self.reverse else step
             offset = 0

@@ -189,9 +189,11 @@ def verbose(f: Callable, *, on_step: Optional[Callable] = None, select: Optional
     flush_every : int, optional
         Buffered streaming: keep ``flush_every`` sampled steps in a device
         buffer and ship them in one host hop (plus one at loop exit for the
-        partial buffer). Consumers still receive one TapEvent per step, in
-        order; a loop that never ends still reports every ``flush_every``
-        samples. Under differentiation a scan streams per step.
+        partial buffer). Carries, scan outputs and primitive taps are all
+        buffered; an inner scan no longer than ``flush_every`` rides in its
+        outer step's buffer. Consumers still receive one TapEvent per step
+        and tap, in step order; a loop that never ends still reports every
+        ``flush_every`` samples.
 
     Examples
     --------

@@ -39,12 +39,19 @@ def handle_scan(walker, eqn, params, invals, scope, site):
     as_block = (scope.side is not None and walker.plan.sample_every == 1
                 and length <= walker.plan.flush_every)
     rows = scope.side.rows * length if as_block else walker.plan.flush_every
+    # inside a vmapped while body (or a branch of a batched cond), events of
+    # lanes that are not running are dropped: the flag enters every trace
+    gate = scope.alive
+    gates = [] if gate is None else [gate]
+    gate_avals = [] if gate is None else [_bool_aval()]
 
     def stepped_body(counter, *args, buffered=True):
         # JAX never differentiates what runs here (see _seam.observed), so
         # taps may use the vmap-aware hop (diff=False)
+        args, alive = (args[:-1], args[-1]) if gates else (args, None)
         side = Side(rows) if walker.buffers and buffered else None
         child = scope.child(path, Counter(), counter, length, top, diff=False, side=side)
+        child.alive = alive
         outs = interpret(walker, body.jaxpr, body.consts, list(args), child)
         if side is None:
             return outs
@@ -54,15 +61,17 @@ def handle_scan(walker, eqn, params, invals, scope, site):
     def in_body(*args):
         # a scan that does not emit itself: its step counter rides in the carry
         # for the taps inside it
+        ng = len(gates)
+
         def fn(*a):
-            consts, counter, rest = a[:nc], a[nc], a[nc + 1:]
-            outs = stepped_body(counter, *consts, *rest, buffered=False)
+            consts, flags, counter, rest = a[:nc], a[nc:nc + ng], a[nc + ng], a[nc + ng + 1:]
+            outs = stepped_body(counter, *consts, *rest, *flags, buffered=False)
             return [lax.add(counter, _one())] + list(outs)
 
         avals = list(body.in_avals)
-        new_body = _seam.trace_closed(fn, avals[:nc] + [_int32_aval()] + avals[nc:])
-        new_params = _seam.scan_with_counter(params, new_body)
-        outs = _bind(eqn, _seam.scan_p, list(args[:nc]) + [np.int32(0)] + list(args[nc:]), new_params)
+        new_body = _seam.trace_closed(fn, avals[:nc] + gate_avals + [_int32_aval()] + avals[nc:])
+        new_params = _seam.scan_with_counter(params, new_body, extra_consts=ng)
+        outs = _bind(eqn, _seam.scan_p, list(args[:nc]) + gates + [np.int32(0)] + list(args[nc:]), new_params)
         return outs[1:]
 
     def plain(*args):
@@ -74,10 +83,10 @@ def handle_scan(walker, eqn, params, invals, scope, site):
         # Inside a buffered step: this whole scan becomes one Block of that
         # step, collected by a callback-free driver (never differentiated),
         # unless the block would make the device buffer too large.
-        stepped = _seam.trace_closed(stepped_body, [_int32_aval()] + list(body.in_avals))
+        stepped = _seam.trace_closed(stepped_body, [_int32_aval()] + list(body.in_avals) + gate_avals)
         side = sides[0] if sides[0].entries else None
         if emits or side is not None:
-            return _scan_driver(walker, wants, params, stepped, path, top, invals, side, collect=scope.side)
+            return _scan_driver(walker, wants, params, stepped, path, top, invals, side, gate, collect=scope.side)
     if not emits and not walker.buffers:
         return _seam.observed(in_body, plain, list(invals))
     if length == 1 and not walker.needs(body.jaxpr):
@@ -85,17 +94,29 @@ def handle_scan(walker, eqn, params, invals, scope, site):
         # outputs after it (the carry after step 0, and ys[0])
         outs = plain(*invals)
         ys0 = [_seam.index_in_dim(y, np.int32(0)) for y in outs[ncar:]]
-        walker.emit_loop(wants, path, top, length, np.int32(0), outs[:ncar], ys0, batched_hop=scope.diff is False)
+        walker.emit_loop(wants, path, top, length, np.int32(0), outs[:ncar], ys0, valid=gate,
+                         batched_hop=scope.diff is False)
         return outs
-    stepped = _seam.trace_closed(stepped_body, [_int32_aval()] + list(body.in_avals))
+    stepped = _seam.trace_closed(stepped_body, [_int32_aval()] + list(body.in_avals) + gate_avals)
     side = sides[0] if sides and sides[0].entries else None
     if not emits and side is None:
         return _seam.observed(in_body, plain, list(invals))  # no buffered tap in this body after all
 
     def driven(*args):
-        return _scan_driver(walker, wants, params, stepped, path, top, args, side)
+        return _scan_driver(walker, wants, params, stepped, path, top, args, side, gate)
 
     return _seam.observed(driven, plain, list(invals))
+
+
+def _bool_aval():
+    return _seam.abstractify(np.bool_(True))
+
+
+def _both(a, b):
+    """a AND b, where None means "always"."""
+    if a is None or b is None:
+        return b if a is None else a
+    return lax.bitwise_and(a, b)
 
 
 def _next_stop(i, k):
@@ -103,7 +124,8 @@ def _next_stop(i, k):
     return lax.add(lax.mul(lax.div(lax.add(i, lax.sub(k, _one())), k), k), _one())
 
 
-def _drive(walker, wants, path, top, total, state, run_until, alive, observe, uniform, side=None, collect=None):
+def _drive(walker, wants, path, top, total, state, run_until, alive, observe, uniform, side=None, collect=None,
+           gate=None):
     """The driver: run the effect-free runner up to each sampled step, emit.
 
     ``run_until(i, stop, state) -> (i2, state2)`` runs user steps
@@ -117,6 +139,8 @@ def _drive(walker, wants, path, top, total, state, run_until, alive, observe, un
     ``collect`` (a scan inside a buffered step, sample_every=1): every step is
     written to one buffer of the scan's length, with no callback, and the
     buffer joins ``collect`` (the enclosing step's Side) as a Block.
+    ``gate``: a lane flag; where it is false (a finished lane of an enclosing
+    vmapped while loop) nothing is emitted.
     """
     plan = walker.plan
     every, flush = plan.sample_every, plan.flush_every
@@ -152,7 +176,7 @@ def _drive(walker, wants, path, top, total, state, run_until, alive, observe, un
             i, k, st = s[0], s[1], list(s[2:])
             i2, st2, last, _ = advance(i, k, st)
             seen = observe(last, st2)
-            emit(metas, lambda: payloads(*seen), walker.sinks.guard, step=last, sample_every=1)
+            emit(metas, lambda: payloads(*seen), walker.sinks.guard, step=last, sample_every=1, valid=gate)
             return (i2, k, *st2)
 
         out = _seam.while_loop(lambda s: lax.lt(s[0], n_emit), d_body, (np.int32(0), k0, *state))
@@ -167,7 +191,7 @@ def _drive(walker, wants, path, top, total, state, run_until, alive, observe, un
             i2, st2, last, fired = advance(i, k, st)
             seen = observe(last, st2)
             emit(metas, lambda: payloads(*seen), walker.sinks.guard, step=last, sample_every=every,
-                 valid=fired)
+                 valid=_both(fired, gate))
             return (i2, k, alive(i2, st2), *st2)
 
         out = _seam.while_loop(lambda s: s[2], d_body, (np.int32(0), k0, alive(np.int32(0), state), *state))
@@ -192,7 +216,7 @@ def _drive(walker, wants, path, top, total, state, run_until, alive, observe, un
         def c_body(cs):
             i, j, _, st, bufs = cs[0], cs[1], cs[2], list(cs[3:3 + n_state]), list(cs[3 + n_state:])
             i2, st2, last, fired = advance(i, k, st)
-            j2, bufs2 = buf.write(None if uniform else fired, j, last, st2, bufs)
+            j2, bufs2 = buf.write(_both(None if uniform else fired, gate), j, last, st2, bufs)
             return (i2, j2, alive(i2, st2), *st2, *bufs2)
 
         cs = _seam.while_loop(lambda cs: lax.bitwise_and(cs[2], lax.lt(cs[1], np.int32(flush))), c_body,
@@ -232,7 +256,7 @@ def _collect(metas, payloads, observe, total, state, run_until, k, guard, into):
     return list(cs[2:2 + n_state])
 
 
-def _scan_driver(walker, wants, params, stepped, path, top, args, side, collect=None):
+def _scan_driver(walker, wants, params, stepped, path, top, args, side, gate=None, collect=None):
     body, nc, ncar, length = _seam.scan_parts(params)
     reverse = _seam.scan_reverse(params)
     consts, carry, xs = args[:nc], args[nc:nc + ncar], args[nc + ncar:]
@@ -249,7 +273,7 @@ def _scan_driver(walker, wants, params, stepped, path, top, args, side, collect=
             i, c, ys = s[0], s[2:2 + ncar], s[2 + ncar:2 + ncar + nys]
             idx = position(i)
             x = [_seam.index_in_dim(v, idx) for v in xs]
-            outs = _seam.call_closed(stepped, [i, *consts, *c, *x])
+            outs = _seam.call_closed(stepped, [i, *consts, *c, *x] + ([] if gate is None else [gate]))
             ys = [_seam.update_index_in_dim(b, y, idx) for b, y in zip(ys, outs[ncar:ncar + nys])]
             return (lax.add(i, _one()), s[1], *outs[:ncar], *ys, *outs[ncar + nys:])
 
@@ -264,7 +288,7 @@ def _scan_driver(walker, wants, params, stepped, path, top, args, side, collect=
         wants = (wants[0], False)  # a body returning (carry, None) has no outputs
     state = [*carry, *ys0, *side0]
     out = _drive(walker, wants, path, top, length, state, run_until, lambda i, st: lax.lt(i, n),
-                 observe, uniform=True, side=side, collect=collect)
+                 observe, uniform=True, side=side, collect=collect, gate=gate)
     return out[:ncar + nys]
 
 
@@ -309,12 +333,15 @@ def _tapped_while(walker, scope, path, top, wants, emits, cond, cnc, body, bnc, 
         return _seam.any_lane(pred) if batched else pred
 
     sides = []
+    gate = scope.alive  # an enclosing lane flag (see handle_scan)
+    gates = [] if gate is None else [gate]
 
-    def user_body(step, carry, bc=bconsts, cc=cconsts, buffered=False):
-        side = Side() if buffered else None
+    def user_body(step, carry, bc=bconsts, cc=cconsts, buffered=False, outer=gate):
+        side = Side(walker.plan.flush_every) if buffered else None
         # a while body is never transposed: its taps may use the vmap-aware hop
         child = scope.child(path, Counter(), step, None, top, diff=False, side=side)
-        child.alive = lane_pred(carry, cc)
+        # (a while that vmap already batched runs every lane as one value: no gate)
+        child.alive = _both(None if batched else lane_pred(carry, cc), outer)
         outs = interpret(walker, body.jaxpr, body.consts, list(bc) + list(carry), child)
         if batched:
             pred = lane_pred(carry, cc)
@@ -327,9 +354,11 @@ def _tapped_while(walker, scope, path, top, wants, emits, cond, cnc, body, bnc, 
     ncarry, nb, nk, stepped = len(init), len(bconsts), len(cconsts), None
     if walker.buffers and walker.needs(body.jaxpr):
         # the consts enter as arguments: a traced step must not close over tracers
+        ng = len(gates)
         stepped = _seam.trace_closed(
-            lambda step, *a: user_body(step, a[nb + nk:], a[:nb], a[nb:nb + nk], buffered=True),
-            [_int32_aval()] + [_seam.abstractify(x) for x in [*bconsts, *cconsts, *init]])
+            lambda step, *a: user_body(step, a[nb + nk + ng:], a[:nb], a[nb:nb + nk], buffered=True,
+                                       outer=a[nb + nk] if ng else None),
+            [_int32_aval()] + [_seam.abstractify(x) for x in [*bconsts, *cconsts, *gates, *init]])
         if not sides[0].entries:
             stepped = None  # no buffered tap in this body after all
     side = sides[0] if stepped is not None else None
@@ -345,7 +374,7 @@ def _tapped_while(walker, scope, path, top, wants, emits, cond, cnc, body, bnc, 
     def step_fn(step, carry):
         if stepped is None:
             return user_body(step, carry)
-        return _seam.call_closed(stepped, [step, *bconsts, *cconsts, *carry])
+        return _seam.call_closed(stepped, [step, *bconsts, *cconsts, *gates, *carry])
 
     def run_until(i, stop, state):
         def r_cond(s):
@@ -360,7 +389,7 @@ def _tapped_while(walker, scope, path, top, wants, emits, cond, cnc, body, bnc, 
     side0 = [] if stepped is None else [_seam.empty_like(a) for a in stepped.out_avals[ncarry:]]
     out = _drive(walker, wants, path, top, None, list(init) + side0, run_until,
                  lambda i, st: user_cond(st[:ncarry]), lambda last, st: (st[:ncarry], [], st[ncarry:]),
-                 uniform=False, side=side)
+                 uniform=False, side=side, gate=gate)
     return out[:ncarry]
 
 

@@ -63,15 +63,17 @@ def scan_parts(params):
     return params["jaxpr"], params["num_consts"], params["num_carry"], params["length"]
 
 
-def scan_with_counter(params, new_body):
-    """Scan params for a body that takes an extra leading int32 carry."""
+def scan_with_counter(params, new_body, extra_consts=0):
+    """Scan params for a body that takes ``extra_consts`` more trailing
+    consts and an extra leading int32 carry."""
     p = dict(params)
     nc = params["num_consts"]
     p["jaxpr"] = new_body
+    p["num_consts"] = nc + extra_consts
     p["num_carry"] = params["num_carry"] + 1
     if "linear" in p and p["linear"] is not None:
         lin = tuple(p["linear"])
-        p["linear"] = lin[:nc] + (False,) + lin[nc:]
+        p["linear"] = lin[:nc] + (False,) * (extra_consts + 1) + lin[nc:]
     return p
 
 

@@ -260,6 +260,8 @@ class Walker:
 
     def _emit_when(self, flag, sampled, meta, step, scope):
         valid = flag if sampled is None else lax.bitwise_and(flag, sampled)
+        if scope.alive is not None:
+            valid = lax.bitwise_and(valid, scope.alive)
         emit([meta], lambda: [np.bool_(False)], self.sinks.guard, step=step, sample_every=1, valid=valid,
              batched_hop=not scope.diff)
 
@@ -319,10 +321,38 @@ def _one():
 
 
 # ------------------------------------------------------------------ handlers
-def _child_scope_fn(scope, prefix, counter, threaded, top=None):
+def _threaded(scope, branch_index=None):
+    """(avals, values) a sub-trace gets as extra trailing inputs: the
+    innermost step, the lane-alive flag, and a cond's branch index."""
+    avals, values = [], []
+    if scope.step is not None:
+        avals.append(_int32_aval())
+        values.append(scope.step)
+    if scope.alive is not None:
+        avals.append(_seam.abstractify(np.bool_(True)))
+        values.append(scope.alive)
+    if branch_index is not None:
+        avals.append(_seam.abstractify(branch_index))
+        values.append(branch_index)
+    return avals, values
+
+
+def _child_scope_fn(scope, prefix, counter, top=None, branch=None):
+    """The scope of a sub-trace from its extra inputs (see _threaded). Inside
+    branch ``branch`` of a cond, ``alive`` also says "this branch ran": under
+    vmap a cond on a batched predicate runs every branch for every lane."""
+    has_step, has_alive = scope.step is not None, scope.alive is not None
+
     def make(extra):
-        step = extra[0] if threaded else None
-        return scope.child(prefix, counter, step, scope.total, top or scope.top, in_loop=scope.in_loop)
+        step = extra[0] if has_step else None
+        child = scope.child(prefix, counter, step, scope.total, top or scope.top, in_loop=scope.in_loop)
+        alive = extra[int(has_step)] if has_alive else None
+        if branch is not None and scope.in_loop:
+            index = extra[-1]
+            ran = lax.eq(index, lax.convert_element_type(branch, index.dtype))
+            alive = ran if alive is None else lax.bitwise_and(alive, ran)
+        child.alive = alive
+        return child
 
     return make
 
@@ -351,33 +381,31 @@ def handle_jit(walker, eqn, params, invals, scope, site):
         (prefix, top), counter = scope.address("jit", site), Counter()
     else:
         prefix, top, counter = scope.prefix, scope.top, scope.counter
-    threaded = scope.step is not None
-    new_body, side = _rewrite_sub(walker, body, scope, _child_scope_fn(scope, prefix, counter, threaded, top),
-                                  [_int32_aval()] if threaded else [])
-    new_params = _seam.jit_with_body(params, new_body, extra_inputs=1 if threaded else 0,
+    avals, values = _threaded(scope)
+    new_body, side = _rewrite_sub(walker, body, scope, _child_scope_fn(scope, prefix, counter, top), avals)
+    new_params = _seam.jit_with_body(params, new_body, extra_inputs=len(values),
                                      extra_outputs=len(side.values) if side else 0)
-    outs = _bind(eqn, _seam.jit_p, list(invals) + ([scope.step] if threaded else []), new_params)
+    outs = _bind(eqn, _seam.jit_p, list(invals) + values, new_params)
     return _adopt(scope, side, outs)
 
 
 def handle_cond(walker, eqn, params, invals, scope, site):
-    threaded = scope.step is not None
-    extra = [_int32_aval()] if threaded else []
-    scope_fn = _child_scope_fn(scope, scope.prefix, scope.counter, threaded)
     branches = _seam.cond_branches(params)
-    args = list(invals) + ([scope.step] if threaded else [])
+    extra, values = _threaded(scope, invals[0] if scope.in_loop else None)
+    fns = [_child_scope_fn(scope, scope.prefix, scope.counter, branch=b) for b in range(len(branches))]
+    args = list(invals) + values
     if scope.side is None:
-        new = [walker.rewrite_closed(br, scope_fn, extra) for br in branches]
+        new = [walker.rewrite_closed(br, fn, extra) for br, fn in zip(branches, fns)]
         return _bind(eqn, _seam.cond_p, args, _seam.cond_with_branches(params, new))
     saved = scope.counter.save()
-    first = [walker.rewrite_exporting(br, scope_fn, extra, scope.side.rows) for br in branches]
+    first = [walker.rewrite_exporting(br, fn, extra, scope.side.rows) for br, fn in zip(branches, fns)]
     if not any(side.values for _, side in first):
         return _bind(eqn, _seam.cond_p, args, _seam.cond_with_branches(params, [c for c, _ in first]))
-    return _buffered_cond(walker, eqn, params, args, scope, scope_fn, extra, saved,
+    return _buffered_cond(walker, eqn, params, args, scope, fns, extra, saved,
                           [list(c.out_avals[len(br.out_avals):]) for (c, _), br in zip(first, branches)])
 
 
-def _buffered_cond(walker, eqn, params, args, scope, scope_fn, extra, saved, regions):
+def _buffered_cond(walker, eqn, params, args, scope, scope_fns, extra, saved, regions):
     """A cond whose branches hold buffered primitive taps: every branch
     returns every branch's values (its own; unspecified for the others), and
     each value is kept with "this branch ran" as its gate."""
@@ -388,7 +416,7 @@ def _buffered_cond(walker, eqn, params, args, scope, scope_fn, extra, saved, reg
         n = len(br.in_avals)
 
         def fn(*a):
-            inner = scope_fn(a[n:])
+            inner = scope_fns[b](a[n:])
             inner.side = side = Side(scope.side.rows)
             outs = interpret(walker, br.jaxpr, br.consts, a[:n], inner)
             sides.append(side)
@@ -415,12 +443,11 @@ def _buffered_cond(walker, eqn, params, args, scope, scope_fn, extra, saved, reg
 
 
 def handle_remat(walker, eqn, params, invals, scope, site):
-    threaded = scope.step is not None
+    avals, values = _threaded(scope)
     closed, side = _rewrite_sub(walker, _seam.remat_body(params), scope,
-                                _child_scope_fn(scope, scope.prefix, scope.counter, threaded),
-                                [_int32_aval()] if threaded else [])
+                                _child_scope_fn(scope, scope.prefix, scope.counter), avals)
     new_params, consts = _seam.remat_with_body(params, closed)
-    args = list(consts) + list(invals) + ([scope.step] if threaded else [])
+    args = list(consts) + list(invals) + values
     return _adopt(scope, side, _bind(eqn, _seam.remat_p, args, new_params))
 
 

@@ -1,0 +1,85 @@
+"""Under vmap, each lane's events are the events of that lane run alone.
+
+A vmapped `cond` on a batched predicate runs every branch for every lane,
+and a vmapped `while_loop` runs its body for finished lanes too: taps there
+must stay silent for the lanes that did not really run them, buffered or
+not, directly in the body or nested (jit, checkpoint, inner loops).
+"""
+import collections
+
+import jax
+import jax.numpy as jnp
+import pytest
+from taputil import assert_bits, sync
+
+import jaxtap as tap
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*matched nothing")
+
+X = jnp.array([0.3, 1.0, 2.0, 0.06], jnp.float32)
+
+
+def cond_in_while(x0):
+    def body(s):
+        i, c = s
+        c = jax.lax.cond(c > 0.5, lambda c: jnp.sin(c) * 0.7, lambda c: jnp.cos(c) * 0.1 * c, c)
+        return i + 1, c
+    return jax.lax.while_loop(lambda s: s[1] > 0.05, body, (0, x0))
+
+
+def cond_in_scan(x0):
+    def body(c, x):
+        c = jax.lax.cond(c > 0.5, lambda c: jnp.sin(c) * 0.7, lambda c: jnp.cos(c) + 0.2 * x, c)
+        return c, None
+    return jax.lax.scan(body, x0, jnp.arange(4.0, dtype=jnp.float32))
+
+
+@jax.jit
+def _helper(c):
+    return jnp.sin(c) * 0.5
+
+
+def nested_in_while(x0):
+    def body(s):
+        i, c = s
+        c = _helper(c) + 0.01 * jax.checkpoint(jnp.cos)(c)
+        d, _ = jax.lax.scan(lambda d, _: (d * 0.9 + 0.01 * jnp.sin(d), None), c, None, length=2)
+        return i + 1, d
+    return jax.lax.while_loop(lambda s: s[1] > 0.05, body, (0, x0))
+
+
+def _streams(events, lane=None):
+    out = collections.defaultdict(list)
+    for e in events:
+        out[(e.path, e.kind, e.lane if lane is None else lane)].append(e.step)
+    return out
+
+
+def _lane_by_lane(f, **cfg):
+    truth = collections.defaultdict(list)
+    for lane in range(len(X)):
+        with tap.record(**cfg) as rec:
+            sync(f(X[lane]))
+        for key, steps in _streams(rec.events, lane).items():
+            truth[key] += steps
+    return truth
+
+
+@pytest.mark.parametrize("f", [cond_in_while, cond_in_scan, nested_in_while], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("flush_every", [None, 1, 4])
+def test_each_lane_sees_what_it_ran(f, flush_every):
+    cfg = dict(taps=[tap.on("sin"), tap.on("cos")], select=lambda leaves: leaves[-1])
+    truth = _lane_by_lane(f, **cfg)
+    with tap.record(flush_every=flush_every, **cfg) as rec:
+        out = sync(jax.vmap(f)(X))
+    assert_bits(out, jax.vmap(f)(X))
+    assert dict(_streams(rec.events)) == dict(truth)
+
+
+def test_wrapping_a_vmapped_while_with_a_primitive_tap():
+    # the while is batched before jax-tap sees it: taps see every lane as one value
+    seen = []
+    g = tap.verbose(jax.vmap(cond_in_while), taps=[tap.on("sin", alert=lambda v: seen.append(v) or False)])
+    out = sync(g(X))
+    assert_bits(out, jax.vmap(cond_in_while)(X))
+    assert seen and all(v.shape == (4,) for v in seen)

@@ -354,7 +354,7 @@ def _outer_inner(n_outer, n_inner, width):
 @pytest.mark.parametrize("n_inner,width,k,expected_hops", [
     (8, 4, 10, 1),             # the inner scan rides in the outer buffer
     (50, 4, 10, 3 * 5 + 1),    # longer than K: it flushes its own, K at a time
-    (20, 65536, 100, 3 + 1),   # rows of 256 KiB: a block would be too large
+    (20, 65536, 100, 3 * 2 + 1),  # rows of 256 KiB: no block; its own buffer holds 4 MiB (15 rows)
 ])
 def test_when_an_inner_scan_rides_along(hops, n_inner, width, k, expected_hops):
     f, x = _outer_inner(3, n_inner, width)
@@ -366,3 +366,16 @@ def test_when_an_inner_scan_rides_along(hops, n_inner, width, k, expected_hops):
     inner = [e.step for e in rec.events if e.path == "scan[0]/scan[0]"]
     assert inner == list(range(n_inner)) * 3
     assert all(e.value.shape == (width,) for e in rec.events)
+
+
+def test_a_huge_k_does_not_allocate_huge_buffers(hops):
+    """flush_every=10**9 means "ship at the end"; a while loop's buffer is
+    capped (4 MiB), and a scan's never exceeds its length."""
+    def w(x):
+        return jax.lax.while_loop(lambda s: s[0] < 5, lambda s: (s[0] + 1, jnp.sin(s[1])), (0, x))
+
+    for f in (w, _scan50):
+        with tap.record(select=lambda l: l[-1].sum(), flush_every=10**9) as rec:
+            sync(jax.jit(f)(jnp.ones(3)))
+        assert [e.step for e in rec.events] == list(range(5 if f is w else 50))
+    assert hops[0] == 2

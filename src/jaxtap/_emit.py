@@ -488,6 +488,10 @@ class Buffer:
         specs = [_seam.spec_of(_seam.abstractify(x)) for x in state]
         self.shapes = jax.eval_shape(lambda *st: self._dynamic(np.int32(0), list(st)), *specs)
 
+    def row_bytes(self):
+        """Device bytes one buffered step takes (its step number included)."""
+        return 4 + sum(int(np.prod(s.shape, dtype=np.int64)) * np.dtype(s.dtype).itemsize for s in self.shapes)
+
     def empty(self):
         bufs = [jnp.zeros((self.capacity, *s.shape), s.dtype) for s in self.shapes]
         return [jnp.zeros((self.capacity,), jnp.int32), *bufs]

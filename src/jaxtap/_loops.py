@@ -226,6 +226,9 @@ def _drive(walker, wants, path, top, total, state, run_until, alive, observe, un
         return (i2, k, live2, *st2)
 
     buf.prepare(state)
+    # a buffer bigger than _BUFFER_BYTES flushes sooner than asked (a while
+    # loop's length is unknown, and K=10**9 must not allocate 10**9 rows)
+    flush = buf.capacity = max(1, min(flush, _BUFFER_BYTES // max(1, buf.row_bytes())))
     out = _seam.while_loop(lambda s: s[2], d_body, (np.int32(0), k0, alive(np.int32(0), state), *state))
     st = list(out[3:])
     if uniform and total - 1 > int(n_emit) - 1:
@@ -233,14 +236,14 @@ def _drive(walker, wants, path, top, total, state, run_until, alive, observe, un
     return list(st)
 
 
-_BLOCK_BYTES = 16 << 20  # the most device memory blocks may add to a buffer
+_BLOCK_BYTES = 4 << 20  # the most device memory blocks may add to a buffer
+_BUFFER_BYTES = 4 << 20  # the most device memory one loop's buffer may take (a flush ships it whole)
 
 
 def _collect(metas, payloads, observe, total, state, run_until, k, guard, into):
     buf = Buffer(metas, payloads, observe, total, guard)
     buf.prepare(state)
-    per_step = sum(int(np.prod(s.shape, dtype=np.int64)) * np.dtype(s.dtype).itemsize + 4 for s in buf.shapes)
-    if into.rows * total * per_step > _BLOCK_BYTES:
+    if into.rows * total * buf.row_bytes() > _BLOCK_BYTES:
         return None
     n, n_state = np.int32(total), len(state)
 

@@ -260,12 +260,16 @@ def observed(tapped_fn, plain_fn, args):
     those of ``plain_fn``, the user's untapped code, while ``tapped_fn``
     runs on gradient-stopped inputs for its events alone.
     """
-    f = jax.custom_jvp(lambda *a: list(tapped_fn(*a)))
+    def tapped(*a):
+        with quiet():  # JAX may trace this later, outside the interception
+            return list(tapped_fn(*a))
+
+    f = jax.custom_jvp(tapped)
 
     # The events-only run is one opaque equation to autodiff: partial
     # evaluation (e.g. of jax.checkpoint) never looks inside it to recompute
     # parts, which a while loop holding callbacks could not support.
-    events = jax.custom_jvp(lambda *a: list(tapped_fn(*a)))
+    events = jax.custom_jvp(tapped)
     events.defjvp(lambda p, t: (events(*p), [_zero_tangent(o) for o in events(*p)]))
 
     def rule(primals, tangents):
@@ -327,6 +331,8 @@ def current_site():
     name_stack = _source_info.current_name_stack()
     site = site_of_traceback(_source_info.current().traceback, name_stack)
     if site is not None:
+        if not site[3] and _binder_name().startswith("_scan_transpose"):
+            site = site[:3] + (True,)  # a backward loop (the name stack can miss it inside a jit)
         return site
     import sys
     frame = sys._getframe(1)
@@ -353,6 +359,19 @@ _LOOP_BODY_TRACES = frozenset({"scan", "while_body", "while_cond", "fori_loop", 
 
 _LOOPS_FILE = os.path.join("jax", "_src", "lax", "control_flow", "loops.py")
 _BINDER_FILES = (_LOOPS_FILE, os.path.join("jax", "_src", "traceback_util.py"))
+# the functions of loops.py that bind a loop the user asked for (lax.scan /
+# lax.while_loop, which fori_loop and map call), and the transpose that binds
+# a backward loop; every other binder there re-binds an existing loop
+_USER_BINDERS = {"scan", "while_loop", "_scan_transpose_fancy", "_scan_transpose"}
+
+
+def _binder_name() -> str:
+    """Name of the function that called ``bind`` (past jax-tap's own frames)."""
+    import sys
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_HERE):
+        frame = frame.f_back
+    return "" if frame is None else frame.f_code.co_name
 
 
 def _nested_in_loop_code() -> bool:
@@ -364,6 +383,11 @@ def _nested_in_loop_code() -> bool:
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(_HERE):
         frame = frame.f_back  # jax-tap's own frames
+    if frame is not None and not (frame.f_code.co_filename.endswith(_LOOPS_FILE)
+                                  and frame.f_code.co_name in _USER_BINDERS):
+        # not lax.scan / lax.while_loop: JAX re-binding an existing loop
+        # equation (evaluating a jaxpr, a JVP, partial evaluation, batching)
+        return True
     while frame is not None and frame.f_code.co_filename.endswith(_BINDER_FILES):
         frame = frame.f_back  # the loop API or rule binding this very loop (fori_loop -> scan)
     while frame is not None:

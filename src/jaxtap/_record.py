@@ -279,7 +279,7 @@ def _make_bind(prim):
         if _seam.BUSY.depth or not _REGISTRY.n_active:
             return _seam.bind_original(prim, args, params)
         ctx = _REGISTRY.top(threading.get_ident()) or _REGISTRY.sole()
-        if ctx is None or _seam.inside_loop_body_trace():
+        if ctx is None or _seam.inside_loop_body_trace(is_loop=handler is not None):
             return _seam.bind_original(prim, args, params)
         if handler is None:
             return _tap_primitive(prim, ctx, args, params)

@@ -374,7 +374,7 @@ def _binder_name() -> str:
     return "" if frame is None else frame.f_code.co_name
 
 
-def _nested_in_loop_code() -> bool:
+def _nested_in_loop_code(is_loop) -> bool:
     """True when JAX's loop code is on the Python stack above the code that
     binds this loop: the loop is bound while another loop's body (or its
     JVP, linearization or transpose) is being traced. Trace chains miss some
@@ -383,8 +383,8 @@ def _nested_in_loop_code() -> bool:
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(_HERE):
         frame = frame.f_back  # jax-tap's own frames
-    if frame is not None and not (frame.f_code.co_filename.endswith(_LOOPS_FILE)
-                                  and frame.f_code.co_name in _USER_BINDERS):
+    if is_loop and frame is not None and not (
+            frame.f_code.co_filename.endswith(_LOOPS_FILE) and frame.f_code.co_name in _USER_BINDERS):
         # not lax.scan / lax.while_loop: JAX re-binding an existing loop
         # equation (evaluating a jaxpr, a JVP, partial evaluation, batching)
         return True
@@ -397,10 +397,10 @@ def _nested_in_loop_code() -> bool:
     return False
 
 
-def inside_loop_body_trace() -> bool:
+def inside_loop_body_trace(is_loop=False) -> bool:
     """True when the current bind happens while JAX traces a loop body or
-    lowers a primitive."""
-    if _nested_in_loop_code():
+    lowers a primitive, or (``is_loop``) re-binds a loop it already has."""
+    if _nested_in_loop_code(is_loop):
         return True
     trace = _core.trace_ctx.trace
     seen = 0

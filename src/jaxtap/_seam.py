@@ -210,8 +210,10 @@ eval_jaxpr = _core.eval_jaxpr
 
 
 def while_loop(cond_fun, body_fun, init):
-    """``lax.while_loop`` over a tuple carry (bound without interception)."""
-    return jax.lax.while_loop(cond_fun, lambda s: tuple(body_fun(s)), tuple(init))
+    """``lax.while_loop`` over a tuple carry, marked as ours (LOOP_SCOPE): a
+    with-block that later walks a program holding it never taps it again."""
+    with loop_scope():
+        return jax.lax.while_loop(cond_fun, lambda s: tuple(body_fun(s)), tuple(init))
 
 
 def scan_reverse(params) -> bool:
@@ -315,13 +317,40 @@ def site_of_traceback(tb, name_stack):
     if frame is None:
         return None
     backward = "transpose" in str(name_stack)
-    return (frame.file_name, frame.start_line, getattr(frame, "start_column", 0), backward)
+    site = (frame.file_name, frame.start_line, getattr(frame, "start_column", 0), backward)
+    library = _library_caller(tb)
+    return site if library is None else site + (library,)
+
+
+# JAX's loop APIs and call plumbing: frames between a loop's bind and the code
+# that asked for the loop
+_PLUMBING = tuple(os.path.join("jax", "_src", p) for p in (
+    os.path.join("lax", "control_flow", ""), "traceback_util.py", "api_util.py", "linear_util.py",
+    "core.py", "api.py", "pjit.py", "profiler.py", "source_info_util.py", os.path.join("interpreters", "")))
+
+
+def _library_caller(tb):
+    """(file, line) of library code (e.g. ``jax.scipy``) that called the loop
+    API on the user's behalf, or None when the user called it directly: two
+    loops one library call runs get two addresses."""
+    code, lasti = tb.raw_frames()
+    for c, i in zip(code, lasti):
+        name = c.co_filename
+        if _source_info.is_user_filename(name):
+            return None
+        if name.startswith(_HERE) or any(p in name for p in _PLUMBING):
+            continue
+        frame = _source_info.raw_frame_to_frame(c, i)
+        return (frame.file_name, frame.start_line)
+    return None
 
 
 def site_of_eqn(eqn):
     site = site_of_traceback(eqn.source_info.traceback, eqn.source_info.name_stack)
     if site is None:  # JAX keeps only the frames inside the innermost trace
-        site = ("<no user frame>", str(eqn.source_info.name_stack), eqn.primitive.name)
+        tb = eqn.source_info.traceback
+        site = ("<no user frame>", str(eqn.source_info.name_stack), eqn.primitive.name,
+                None if tb is None else _library_caller(tb))
     return site
 
 
@@ -332,22 +361,26 @@ def current_site():
     site = site_of_traceback(_source_info.current().traceback, name_stack)
     if site is not None:
         if not site[3] and _binder_name().startswith("_scan_transpose"):
-            site = site[:3] + (True,)  # a backward loop (the name stack can miss it inside a jit)
+            site = site[:3] + (True,) + site[4:]  # a backward loop (the name stack can miss it in a jit)
         return site
     import sys
-    frame = sys._getframe(1)
+    frame, library = sys._getframe(1), None
     while frame is not None:
         code = frame.f_code
-        if _source_info.is_user_filename(code.co_filename):
+        name = code.co_filename
+        if _source_info.is_user_filename(name):
             col = 0
             try:
                 positions = list(code.co_positions())[frame.f_lasti // 2]
                 col = positions[2] or 0
             except Exception:  # noqa: BLE001
                 pass
-            return (code.co_filename, frame.f_lineno, col, "transpose" in str(name_stack))
+            site = (name, frame.f_lineno, col, "transpose" in str(name_stack))
+            return site if library is None else site + (library,)
+        if library is None and not name.startswith(_HERE) and not any(p in name for p in _PLUMBING):
+            library = (name, frame.f_lineno)  # library code that asked for this loop
         frame = frame.f_back
-    return ("<no user frame>", str(name_stack))
+    return ("<no user frame>", str(name_stack), library)
 
 
 # ------------------------------------------------------------ trace chain
@@ -363,6 +396,29 @@ _BINDER_FILES = (_LOOPS_FILE, os.path.join("jax", "_src", "traceback_util.py"))
 # lax.while_loop, which fori_loop and map call), and the transpose that binds
 # a backward loop; every other binder there re-binds an existing loop
 _USER_BINDERS = {"scan", "while_loop", "_scan_transpose_fancy", "_scan_transpose"}
+
+
+# Traces whose jaxprs JAX differentiates or transposes as a whole: a tapped
+# loop (a while loop, with callbacks) inside them could not be transposed.
+_LINEAR_TRACES = frozenset({"custom_linear_solve", "custom_linear_solve solve",
+                            "custom_linear_solve transpose_solve", "custom_root tangent_solve"})
+
+
+def _in_derivative_code() -> bool:
+    """True while JAX stages derivative code: partial evaluation (linearizing
+    a custom_jvp rule, linear_transpose), a tangent trace, or a linear solve's
+    operator."""
+    trace = _core.trace_ctx.trace
+    if isinstance(trace, _pe.JaxprTrace):
+        return True
+    if isinstance(trace, _pe.DynamicJaxprTrace):
+        frame = getattr(trace, "frame", None)
+        if getattr(frame, "auto_dce", False):
+            return True
+        dbg = getattr(frame, "debug_info", None)
+        if getattr(dbg, "traced_for", None) in _LINEAR_TRACES:
+            return True
+    return False
 
 
 def _binder_name() -> str:
@@ -399,8 +455,11 @@ def _nested_in_loop_code(is_loop) -> bool:
 
 def inside_loop_body_trace(is_loop=False) -> bool:
     """True when the current bind happens while JAX traces a loop body or
-    lowers a primitive, or (``is_loop``) re-binds a loop it already has."""
+    lowers a primitive, or (``is_loop``) re-binds a loop it already has or
+    binds one into derivative code (which JAX may transpose)."""
     if _nested_in_loop_code(is_loop):
+        return True
+    if is_loop and _in_derivative_code():
         return True
     trace = _core.trace_ctx.trace
     seen = 0

@@ -310,28 +310,39 @@ def _pack(args):
     return (parts[0] if len(parts) == 1 else jnp.concatenate(parts)), layout
 
 
-def _unpack(buf, layout):
+def _unpack_plan(layout):
+    """Byte ranges of every piece in a packed buffer (computed once per hop)."""
+    plan, offset = [], 0
+    for kind, dtype, shape, piece_dtypes in layout:
+        pieces = []
+        for pd in piece_dtypes:
+            n = int(np.prod(shape, dtype=np.int64)) * pd.itemsize
+            pieces.append((offset, offset + n, pd))
+            offset += n
+        plan.append((kind, dtype, shape, pieces))
+    return plan
+
+
+def _unpack(buf, plan):
     """Host side of :func:`_pack`: numpy views into one host buffer.
 
     ``buf`` may carry leading batch (lane) dimensions; they lead every output.
     """
     buf = np.asarray(buf)
     lead = buf.shape[:-1]
-    out, offset = [], 0
-    for kind, dtype, shape, piece_dtypes in layout:
-        pieces = []
-        for pd in piece_dtypes:
-            n = int(np.prod(shape, dtype=np.int64)) * pd.itemsize
-            raw = np.ascontiguousarray(buf[..., offset:offset + n])
-            pieces.append(raw.view(pd).reshape(lead + shape))
-            offset += n
+    out = []
+    for kind, dtype, shape, pieces in plan:
+        if lead:  # a lane's bytes are not contiguous across lanes: copy
+            arrays = [np.ascontiguousarray(buf[..., a:b]).view(pd).reshape(lead + shape) for a, b, pd in pieces]
+        else:
+            arrays = [buf[a:b].view(pd).reshape(shape) for a, b, pd in pieces]
         if kind == "complex":
             value = np.empty(lead + shape, dtype)
-            value.real, value.imag = pieces
+            value.real, value.imag = arrays
         elif kind == "bool":
-            value = pieces[0].astype(bool)
+            value = arrays[0].astype(bool)
         else:
-            value = pieces[0]
+            value = arrays[0]
         out.append(value)
     return out
 
@@ -348,12 +359,13 @@ def hop(host, args, batched=True):
     """
     with _seam.tap_scope():
         packed, layout = _pack(args)
+        plan = _unpack_plan(layout)
 
         def one(buf):
-            host(*_unpack(buf, layout))
+            host(*_unpack(buf, plan))
 
         def lanes(buf):
-            arrays = _unpack(buf, layout)  # (lanes, ...) each
+            arrays = _unpack(buf, plan)  # (lanes, ...) each
             fast = getattr(host, "lanes", None)
             if fast is not None:
                 fast(*arrays)

@@ -196,9 +196,16 @@ def _deliver_column(meta, guard, steps, column, count, lane, rows_are_lanes=Fals
     if isinstance(deliver, Guard):  # a lone on_step: call it directly, guard the whole loop
         deliver, failed = deliver.fn, deliver.failed
     lanes = range(count) if rows_are_lanes else None
-    # rows of a 1-d column are fresh numpy scalars; rows of a wider one are
-    # views that must be copied so that no event keeps the buffer alive
-    rows = column[:count] if np.ndim(column) == 1 else [_own(r) for r in column[:count]]
+    # Rows of a 1-d column are fresh numpy scalars; rows of a wider one are
+    # views that must not keep the hop's buffer alive: a buffer's rows are
+    # copied one by one (an event must not pin a K-row block), a hop's lanes
+    # share one copy (a few rows).
+    if np.ndim(column) == 1:
+        rows = column[:count]
+    elif rows_are_lanes:
+        rows = list(np.array(column[:count]))
+    else:
+        rows = [_own(r) for r in column[:count]]
     done = 0
     while done < count:
         try:

@@ -95,3 +95,32 @@ def test_user_sites_skip_jax_and_jaxtap_frames():
 def test_original_scan_is_the_public_one():
     assert tap.original_scan is jax.lax.scan
     assert tap.original_while_loop is jax.lax.while_loop
+
+
+def test_the_functions_that_bind_user_loops():
+    """The with-form taps a loop only when JAX's user-facing loop function
+    (or the scan transpose, for backward loops) binds it; anything else in
+    loops.py re-binds an existing loop. Those names must exist."""
+    from jax._src.lax.control_flow import loops
+
+    for name in _seam._USER_BINDERS - {"_scan_transpose"}:  # (the pre-"fancy" transpose name)
+        assert callable(getattr(loops, name, None)), f"jax's loops.py no longer defines {name}"
+    assert loops.__file__.endswith(_seam._LOOPS_FILE)
+
+
+def test_autodiff_tangent_traces_are_recognised():
+    """Derivative code is staged into traces that auto-DCE; jax-tap never taps there."""
+    seen = []
+
+    @jax.custom_jvp
+    def f(x):
+        return jnp.sin(x)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        seen.append(_seam._in_derivative_code())
+        return jnp.sin(primals[0]), tangents[0] * jnp.cos(primals[0])
+
+    jax.grad(f)(1.0)
+    assert seen and any(seen)
+    assert not _seam._in_derivative_code()

@@ -101,13 +101,15 @@ class Block(Meta):
     events (and nested blocks), so the inner loop needs no callback at all.
     """
 
-    __slots__ = ("subs", "length", "reverse")
+    __slots__ = ("subs", "length", "reverse", "metas", "layouts")
 
     def __init__(self, subs, length, reverse):
         super().__init__(None, None, None, length, "block")
         self.subs = subs  # Side entries of one step: (meta, static, treedef, n, n_dyn)
         self.length = length
         self.reverse = reverse
+        self.metas = [sub[0] for sub in subs]
+        self.layouts = [sub[1:] for sub in subs]
 
     def expand(self, arrays, lane, guard):
         """Deliver every step of ``arrays`` (host, one per value, steps leading)."""
@@ -118,24 +120,7 @@ class Block(Meta):
                 _deliver_column(meta, guard, list(range(n)), arrays[0], n, lane)
                 return
         for step in range(n):
-            row = n - 1 - step if self.reverse else step
-            offset = 0
-            for meta, static, treedef, count, n_dyn in self.subs:
-                mine, offset = arrays[offset:offset + n_dyn], offset + n_dyn
-                try:
-                    it = iter(mine)
-                    leaves = [static[i] if i in static else _own(next(it)[row]) for i in range(count)]
-                    if isinstance(meta, Block):
-                        meta.expand(leaves, lane, guard)
-                        continue
-                    value = jax.tree_util.tree_unflatten(treedef, leaves)
-                    if meta.gated:
-                        fired, value = value
-                        if not fired:
-                            continue
-                    meta.deliver(make_event(meta.path, step, value, meta.total, meta.kind, lane), meta.top)
-                except Exception as exc:  # noqa: BLE001 - totality
-                    guard.failed(exc)
+            _deliver_row(self.metas, self.layouts, guard, step, arrays, n - 1 - step if self.reverse else step, lane)
 
 
 def _split_all(values):

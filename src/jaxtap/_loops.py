@@ -14,7 +14,7 @@ from jax import lax
 
 from . import _seam
 from ._emit import Block, Buffer, Side, emit
-from ._transform import HANDLERS, Counter, _bind, _int32_aval, _one, interpret
+from ._transform import HANDLERS, Counter, _bind, _bool_aval, _both, _int32_aval, _one, interpret
 
 
 def handle_scan(walker, eqn, params, invals, scope, site):
@@ -106,17 +106,6 @@ def handle_scan(walker, eqn, params, invals, scope, site):
         return _scan_driver(walker, wants, params, stepped, path, top, args, side, gate)
 
     return _seam.observed(driven, plain, list(invals))
-
-
-def _bool_aval():
-    return _seam.abstractify(np.bool_(True))
-
-
-def _both(a, b):
-    """a AND b, where None means "always"."""
-    if a is None or b is None:
-        return b if a is None else a
-    return lax.bitwise_and(a, b)
 
 
 def _next_stop(i, k):

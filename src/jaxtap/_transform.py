@@ -38,6 +38,22 @@ def _int32_aval():
     return _INT32
 
 
+def _bool_aval():
+    return _seam.abstractify(np.bool_(True))
+
+
+def _both(a, b):
+    """a AND b, where None means "always"."""
+    if a is None or b is None:
+        return b if a is None else a
+    return lax.bitwise_and(a, b)
+
+
+def _branch_ran(index, branch):
+    """Did the cond whose branch index is ``index`` run ``branch``?"""
+    return lax.eq(index, lax.convert_element_type(branch, index.dtype))
+
+
 class SiteIndex:
     """Top-level addressing: one index per distinct source site, per name."""
 
@@ -259,9 +275,7 @@ class Walker:
             self._emit_when(born, sampled, meta, step, scope)
 
     def _emit_when(self, flag, sampled, meta, step, scope):
-        valid = flag if sampled is None else lax.bitwise_and(flag, sampled)
-        if scope.alive is not None:
-            valid = lax.bitwise_and(valid, scope.alive)
+        valid = _both(_both(flag, sampled), scope.alive)
         emit([meta], lambda: [np.bool_(False)], self.sinks.guard, step=step, sample_every=1, valid=valid,
              batched_hop=not scope.diff)
 
@@ -329,7 +343,7 @@ def _threaded(scope, branch_index=None):
         avals.append(_int32_aval())
         values.append(scope.step)
     if scope.alive is not None:
-        avals.append(_seam.abstractify(np.bool_(True)))
+        avals.append(_bool_aval())
         values.append(scope.alive)
     if branch_index is not None:
         avals.append(_seam.abstractify(branch_index))
@@ -348,9 +362,7 @@ def _child_scope_fn(scope, prefix, counter, top=None, branch=None):
         child = scope.child(prefix, counter, step, scope.total, top or scope.top, in_loop=scope.in_loop)
         alive = extra[int(has_step)] if has_alive else None
         if branch is not None and scope.in_loop:
-            index = extra[-1]
-            ran = lax.eq(index, lax.convert_element_type(branch, index.dtype))
-            alive = ran if alive is None else lax.bitwise_and(alive, ran)
+            alive = _both(alive, _branch_ran(extra[-1], branch))
         child.alive = alive
         return child
 
@@ -432,7 +444,7 @@ def _buffered_cond(walker, eqn, params, args, scope, scope_fns, extra, saved, re
     rest, index = outs[n_out:], args[0]
     for c, side in enumerate(sides):
         mine, rest = rest[:len(regions[c])], rest[len(regions[c]):]
-        ran = lax.eq(index, lax.convert_element_type(c, index.dtype))
+        ran = _branch_ran(index, c)
         for (meta, *_), value in zip(side.entries, side.payloads(mine)):
             if meta.gated:  # already gated by a cond inside this branch
                 fired, value = value

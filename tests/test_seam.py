@@ -6,6 +6,7 @@ import jax.numpy as jnp
 
 import jaxtap as tap
 from jaxtap import _seam
+from jaxtap._seam import stack as _stack
 
 
 def test_primitive_names_we_rewrite():
@@ -103,9 +104,9 @@ def test_the_functions_that_bind_user_loops():
     loops.py re-binds an existing loop. Those names must exist."""
     from jax._src.lax.control_flow import loops
 
-    for name in _seam._USER_BINDERS - {"_scan_transpose"}:  # (the pre-"fancy" transpose name)
+    for name in _stack._USER_BINDERS - {"_scan_transpose"}:  # (the pre-"fancy" transpose name)
         assert callable(getattr(loops, name, None)), f"jax's loops.py no longer defines {name}"
-    assert loops.__file__.endswith(_seam._LOOPS_FILE)
+    assert loops.__file__.endswith(_stack._LOOPS_FILE)
 
 
 def test_autodiff_tangent_traces_are_recognised():
@@ -118,9 +119,9 @@ def test_autodiff_tangent_traces_are_recognised():
 
     @f.defjvp
     def f_jvp(primals, tangents):
-        seen.append(_seam._in_derivative_code())
+        seen.append(_stack._in_derivative_code())
         return jnp.sin(primals[0]), tangents[0] * jnp.cos(primals[0])
 
     jax.grad(f)(1.0)
     assert seen and any(seen)
-    assert not _seam._in_derivative_code()
+    assert not _stack._in_derivative_code()

@@ -33,6 +33,7 @@ from ._transform import SiteIndex, Sinks, Walker
 from ._verbose import configure, make_tapped, rebuild_guard
 
 _HANDLERS = {_seam.scan_p: handle_scan, _seam.while_p: handle_while}
+_seam.check_at_import()  # one warning at import on a JAX outside the tested range
 
 
 class Token:
@@ -318,9 +319,7 @@ def _intercept(prim, handler, ctx, args, params):
     ctx._sites.index("scan" if prim is _seam.scan_p else "while", site)  # program order
     with _seam.quiet():
         try:
-            body = params.get("jaxpr") or params.get("body_jaxpr")
-            if body is not None:
-                ctx._names_seen.update(_seam.collect_names(body.jaxpr))
+            ctx._names_seen.update(_seam.collect_names(_seam.loop_body(prim, params).jaxpr))
             with _seam.loop_scope():
                 return handler(walker, None, params, list(args), walker.top_scope(), site)
         except TapSelectError:
@@ -361,6 +360,10 @@ class TapContext:
                 "jax-tap: this tap.record() context is already active; create a new one "
                 "(tap.record(...)) for a nested or concurrent block."
             )
+        if not _seam.can_intercept():
+            warn_once_now(f"jax-tap: this JAX ({_seam.JAX_VERSION_TEXT}) lacks the jit-key state the with-form needs; "
+                      f"the block runs untapped. Install a tested JAX ({_seam.TESTED_RANGE}).")
+            return self.recorder
         self._thread = threading.get_ident()
         self._token = _REGISTRY.token_for(self._plan, self._thread)
         self._active = True

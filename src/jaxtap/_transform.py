@@ -474,6 +474,24 @@ def _handle_call(prim):
     return handle
 
 
+def handle_hi(walker, eqn, params, invals, scope, site):
+    """A hijax primitive (a library operation that expands into equations,
+    loops included, only when lowered): its expansion is interpreted, as
+    transparent as a call; derivatives stay the primitive's own rules."""
+    expanded = _seam.hi_expansion(params)
+    if expanded is None or scope.side is not None:  # (buffered steps: its taps stay silent)
+        return _bind(eqn, _seam.hi_call_p, invals, params)
+    inner = scope.child(scope.prefix, scope.counter, None, scope.total, scope.top, in_loop=scope.in_loop)
+
+    def tapped(*args):
+        return interpret(walker, expanded.jaxpr, expanded.consts, list(args), inner)
+
+    def plain(*args):
+        return _bind(eqn, _seam.hi_call_p, list(args), params)
+
+    return _seam.observed(tapped, plain, list(invals))
+
+
 HANDLERS = {  # the loop handlers join from _loops (imported at the end)
     _seam.JIT: handle_jit,
     _seam.COND: handle_cond,
@@ -482,6 +500,8 @@ HANDLERS = {  # the loop handlers join from _loops (imported at the end)
     _seam.CUSTOM_VJP: _handle_call(_seam.custom_vjp_call_p),
     _seam.CLOSED_CALL: _handle_call(_seam.closed_call_p),
 }
+if _seam.HI_CALL is not None:
+    HANDLERS[_seam.HI_CALL] = handle_hi
 
 
 def rewrite_program(walker: Walker, closed):

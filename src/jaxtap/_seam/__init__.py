@@ -1,0 +1,18 @@
+"""The jax-internals seam.
+
+Every use of ``jax._src``, every primitive name and every equation parameter
+name that jax-tap depends on lives in this package, so that a JAX upgrade
+touches it alone; it speaks one vocabulary to the rest of jax-tap whatever
+the JAX version (0.10.2 to 0.12.x are tested). ``tests/test_seam.py`` pins
+each assumption and fails loudly, naming it, on a JAX that breaks one.
+
+* :mod:`.versions` - the JAX version, the tested range, guarded imports of
+  internals;
+* :mod:`.eqns` - primitives, their names, the parameters read and written;
+* :mod:`.staging` - trace, bind and evaluate equations as JAX does;
+* :mod:`.stack` - interception, call-stack and trace heuristics, jit-key state.
+"""
+from .eqns import *  # noqa: F401,F403
+from .stack import *  # noqa: F401,F403
+from .staging import *  # noqa: F401,F403
+from .versions import JAX_VERSION, JAX_VERSION_TEXT, MISSING, TESTED_RANGE, check_at_import, tested  # noqa: F401

@@ -1,0 +1,313 @@
+"""The seam's interception and call-stack heuristics: where a bind comes
+from (the user's line, a library, JAX's own loop machinery, derivative code),
+how a primitive's bind is routed through jax-tap, and the jit-key state that
+separates tapped from clean compilations."""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import jax
+
+from .versions import MISSING, internal
+
+__all__ = [
+    "site_of_traceback",
+    "site_of_eqn",
+    "current_site",
+    "inside_loop_body_trace",
+    "jit_disabled",
+    "at_base_trace",
+    "install_bind",
+    "uninstall_bind",
+    "bind_is_patched",
+    "TOKEN_STATE",
+    "can_intercept",
+    "set_thread_token",
+    "set_global_token",
+    "thread_token",
+    "token_state_in_trace_context",
+    "BUSY",
+    "quiet",
+]
+
+_core = internal("jax._src.core")
+_pe = internal("jax._src.interpreters.partial_eval")
+_config = internal("jax._src.config")
+_source_info = internal("jax._src.source_info_util")
+_traceback_util = internal("jax._src.traceback_util")
+
+# Hide jax-tap's own frames (the package, this seam included) from JAX's
+# source info and filtered tracebacks, so that an equation's "user frame" is
+# the user's line, never ours.
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _source_info is not None and _traceback_util is not None:
+    _source_info.register_exclusion(_HERE)
+    _traceback_util.register_exclusion(_HERE)
+
+
+# ------------------------------------------------------------ source sites
+def site_of_traceback(tb, name_stack):
+    """(file, line, column, backward?) of the first user frame, or None.
+
+    A loop that autodiff transposed keeps its forward twin's source line; the
+    name stack's ``transpose`` marker tells the backward loop apart."""
+    if tb is None:
+        return None
+    frame = _source_info.user_frame(tb)
+    if frame is None:
+        return None
+    backward = "transpose" in str(name_stack)
+    site = (frame.file_name, frame.start_line, getattr(frame, "start_column", 0), backward)
+    library = _library_caller(tb)
+    return site if library is None else site + (library,)
+
+
+# JAX's loop APIs and call plumbing: frames between a loop's bind and the code
+# that asked for the loop
+_PLUMBING = tuple(os.path.join("jax", "_src", p) for p in (
+    os.path.join("lax", "control_flow", ""), "traceback_util.py", "api_util.py", "linear_util.py",
+    "core.py", "api.py", "pjit.py", "profiler.py", "source_info_util.py", os.path.join("interpreters", "")))
+
+
+def _library_caller(tb):
+    """(file, line) of library code (e.g. ``jax.scipy``) that called the loop
+    API on the user's behalf, or None when the user called it directly: two
+    loops one library call runs get two addresses."""
+    code, lasti = tb.raw_frames()
+    for c, i in zip(code, lasti):
+        name = c.co_filename
+        if _source_info.is_user_filename(name):
+            return None
+        if name.startswith(_HERE) or any(p in name for p in _PLUMBING):
+            continue
+        frame = _source_info.raw_frame_to_frame(c, i)
+        return (frame.file_name, frame.start_line)
+    return None
+
+
+def site_of_eqn(eqn):
+    site = site_of_traceback(eqn.source_info.traceback, eqn.source_info.name_stack)
+    if site is None:  # JAX keeps only the frames inside the innermost trace
+        tb = eqn.source_info.traceback
+        site = ("<no user frame>", str(eqn.source_info.name_stack), eqn.primitive.name,
+                None if tb is None else _library_caller(tb))
+    return site
+
+
+def current_site():
+    """The site of a bind happening now; the full Python stack as fallback
+    (JAX's own traceback stops at the innermost jit being traced)."""
+    name_stack = _source_info.current_name_stack()
+    site = site_of_traceback(_source_info.current().traceback, name_stack)
+    if site is not None:
+        if not site[3] and _binder_name().startswith("_scan_transpose"):
+            site = site[:3] + (True,) + site[4:]  # a backward loop (the name stack can miss it in a jit)
+        return site
+    frame, library = sys._getframe(1), None
+    while frame is not None:
+        code = frame.f_code
+        name = code.co_filename
+        if _source_info.is_user_filename(name):
+            col = 0
+            try:
+                positions = list(code.co_positions())[frame.f_lasti // 2]
+                col = positions[2] or 0
+            except Exception:  # noqa: BLE001
+                pass
+            site = (name, frame.f_lineno, col, "transpose" in str(name_stack))
+            return site if library is None else site + (library,)
+        if library is None and not name.startswith(_HERE) and not any(p in name for p in _PLUMBING):
+            library = (name, frame.f_lineno)  # library code that asked for this loop
+        frame = frame.f_back
+    return ("<no user frame>", str(name_stack), library)
+
+
+# ------------------------------------------------------------ trace chain
+# Traces inside which a loop bind is not a top-level user loop: loop bodies
+# (the enclosing loop's rewrite reaches it) and JAX's own lowering rules
+# (``scan`` lowers through ``while_loop`` via ``mlir.lower_fun``).
+_LOOP_BODY_TRACES = frozenset({"scan", "while_body", "while_cond", "fori_loop", "lower_fun"})
+_LOOPS_FILE = os.path.join("jax", "_src", "lax", "control_flow", "loops.py")
+_BINDER_FILES = (_LOOPS_FILE, os.path.join("jax", "_src", "traceback_util.py"))
+
+
+# the functions of loops.py that bind a loop the user asked for (lax.scan /
+# lax.while_loop, which fori_loop and map call), and the transpose that binds
+# a backward loop; every other binder there re-binds an existing loop
+_USER_BINDERS = {"scan", "while_loop", "_scan_transpose_fancy", "_scan_transpose"}
+
+
+# Traces whose jaxprs JAX differentiates or transposes as a whole: a tapped
+# loop (a while loop, with callbacks) inside them could not be transposed.
+_LINEAR_TRACES = frozenset({"custom_linear_solve", "custom_linear_solve solve",
+                            "custom_linear_solve transpose_solve", "custom_root tangent_solve"})
+
+
+def _in_derivative_code() -> bool:
+    """True while JAX stages derivative code: partial evaluation (linearizing
+    a custom_jvp rule, linear_transpose), a tangent trace, or a linear solve's
+    operator."""
+    trace = _core.trace_ctx.trace
+    if isinstance(trace, _pe.JaxprTrace):
+        return True
+    if isinstance(trace, _pe.DynamicJaxprTrace):
+        frame = getattr(trace, "frame", None)
+        if getattr(frame, "auto_dce", False):
+            return True
+        dbg = getattr(frame, "debug_info", None)
+        if getattr(dbg, "traced_for", None) in _LINEAR_TRACES:
+            return True
+    return False
+
+
+def _binder_name() -> str:
+    """Name of the function that called ``bind`` (past jax-tap's own frames)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_HERE):
+        frame = frame.f_back
+    return "" if frame is None else frame.f_code.co_name
+
+
+def _nested_in_loop_code(is_loop) -> bool:
+    """True when JAX's loop code is on the Python stack above the code that
+    binds this loop: the loop is bound while another loop's body (or its
+    JVP, linearization or transpose) is being traced. Trace chains miss some
+    of these, as autodiff re-traces bodies in traces of its own."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_HERE):
+        frame = frame.f_back  # jax-tap's own frames
+    if is_loop and frame is not None and not (
+            frame.f_code.co_filename.endswith(_LOOPS_FILE) and frame.f_code.co_name in _USER_BINDERS):
+        # not lax.scan / lax.while_loop: JAX re-binding an existing loop
+        # equation (evaluating a jaxpr, a JVP, partial evaluation, batching)
+        return True
+    while frame is not None and frame.f_code.co_filename.endswith(_BINDER_FILES):
+        frame = frame.f_back  # the loop API or rule binding this very loop (fori_loop -> scan)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_LOOPS_FILE):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def inside_loop_body_trace(is_loop=False) -> bool:
+    """True when the current bind happens while JAX traces a loop body or
+    lowers a primitive, or (``is_loop``) re-binds a loop it already has or
+    binds one into derivative code (which JAX may transpose)."""
+    if _nested_in_loop_code(is_loop):
+        return True
+    if is_loop and _in_derivative_code():
+        return True
+    trace = _core.trace_ctx.trace
+    seen = 0
+    while trace is not None and seen < 1000:
+        seen += 1
+        frame = getattr(trace, "frame", None)
+        dbg = getattr(frame, "debug_info", None)
+        if dbg is not None and getattr(dbg, "traced_for", None) in _LOOP_BODY_TRACES:
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+def jit_disabled() -> bool:
+    return bool(jax.config.jax_disable_jit)
+
+
+def at_base_trace() -> bool:
+    """True when binding evaluates eagerly or stages into a jaxpr directly
+    (not under a vmap/grad transformation trace, and not into autodiff's
+    tangent jaxpr: that is derivative code, which JAX transposes)."""
+    trace = _core.trace_ctx.trace
+    if isinstance(trace, _core.EvalTrace):
+        return True
+    if isinstance(trace, _pe.DynamicJaxprTrace):
+        # linearize's tangent traces (and remat's recompute traces) are the
+        # auto-DCE staging traces
+        return not getattr(getattr(trace, "frame", None), "auto_dce", False)
+    return False
+
+
+# ------------------------------------------------------------ interception
+def install_bind(prim, fn):
+    """Route ``prim.bind`` through ``fn`` (an instance attribute)."""
+    prim.bind = fn
+
+
+def uninstall_bind(prim):
+    prim.__dict__.pop("bind", None)
+
+
+def bind_is_patched(prim) -> bool:
+    return "bind" in prim.__dict__
+
+
+# ------------------------------------------------------------ jit-key state
+# A thread-local config state that JAX includes in every jit cache key: while
+# a with-block is active its token separates tapped from clean compilations.
+def _token_state():
+    try:
+        return _config.string_or_object_state(
+            "jaxtap_tap_token",
+            None,
+            "jax-tap: the active tap configuration (internal; part of the jit key).",
+            include_in_jit_key=True,
+            include_in_trace_context=True,
+        )
+    except Exception:  # noqa: BLE001 - a JAX without it: the with-form stands aside
+        MISSING.append("jax._src.config.string_or_object_state")
+        return None
+
+
+TOKEN_STATE = _token_state()
+
+
+def can_intercept() -> bool:
+    """False on a JAX without the jit-key state the with-form needs: blocks
+    then run their code untapped (see ``_record``)."""
+    return TOKEN_STATE is not None
+
+
+def set_thread_token(token) -> None:
+    """This thread's token; None removes the thread's own value, so the
+    thread sees the global one again."""
+    TOKEN_STATE.set_local(_config.config_ext.unset if token is None else token)
+
+
+def set_global_token(token) -> None:
+    """The token threads without a block of their own see (None: clean)."""
+    TOKEN_STATE.set_global(token)
+
+
+def thread_token():
+    return TOKEN_STATE.value
+
+
+def token_state_in_trace_context(token) -> bool:
+    """True when ``token`` shows up in JAX's trace context (the jit key)."""
+    prev = TOKEN_STATE.swap_local(token)
+    try:
+        return any(x is token for x in _config.trace_context())
+    finally:
+        TOKEN_STATE.set_local(prev)
+
+
+class _Busy(threading.local):
+    depth = 0
+BUSY = _Busy()
+
+
+class quiet:
+    """While active on this thread, with-form interception stands aside
+    (jax-tap's own tracing, and programs the wrapping form already tapped)."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        BUSY.depth += 1
+
+    def __exit__(self, *exc):
+        BUSY.depth -= 1
+        return False

@@ -1,0 +1,193 @@
+"""The seam's staging helpers: trace, bind and evaluate equations exactly as
+JAX does, and the few lax building blocks the loop rewrites use."""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .eqns import ClosedJaxpr, Tracer, closed_call_p, hi_call_p, loop_scope
+from .stack import quiet
+from .versions import internal
+
+__all__ = [
+    "trace_closed",
+    "spec_of",
+    "eval_eqn",
+    "bind_with_params",
+    "bind_original",
+    "eval_jaxpr",
+    "while_loop",
+    "empty_stack",
+    "empty_like",
+    "index_in_dim",
+    "update_index_in_dim",
+    "call_closed",
+    "observed",
+    "any_lane",
+    "select_lanes",
+    "optimization_barrier",
+    "abstractify",
+    "is_array_like",
+    "effects_barrier",
+    "hi_expansion",
+]
+
+_core = internal("jax._src.core")
+_source_info = internal("jax._src.source_info_util")
+_scan_loops = internal("jax._src.lax.control_flow.loops")
+_slicing = internal("jax._src.lax.slicing")
+_eval_jaxpr_mod = internal("jax._src.lax.eval_jaxpr")
+
+# ------------------------------------------------------------ jaxpr tools
+def trace_closed(fn: Callable, in_avals: Sequence[Any]) -> ClosedJaxpr:
+    """Trace ``fn(*flat_args) -> list`` over abstract values to a ClosedJaxpr."""
+    specs = [spec_of(a) for a in in_avals]
+    closed = jax.make_jaxpr(lambda *a: list(fn(*a)))(*specs)
+    return closed
+
+
+def spec_of(aval):
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+
+
+def eval_eqn(eqn, invals):
+    """Bind one equation exactly as ``jax.core.eval_jaxpr`` does."""
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+    with _source_info.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        ans = eqn.primitive.bind(*invals, **bind_params)
+    return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
+def bind_with_params(eqn, prim, invals, params):
+    """Bind ``prim`` with new params under ``eqn``'s source info and context."""
+    bind_params = prim.get_bind_params(params)
+    name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+    with _source_info.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        ans = type(prim).bind(prim, *invals, **bind_params)
+    return list(ans) if prim.multiple_results else [ans]
+
+
+def bind_original(prim, args, params):
+    """The class-level bind, bypassing any instance-level interception."""
+    return type(prim).bind(prim, *args, **params)
+eval_jaxpr = jax.core.eval_jaxpr
+
+
+def while_loop(cond_fun, body_fun, init):
+    """``lax.while_loop`` over a tuple carry, marked as ours (LOOP_SCOPE): a
+    with-block that later walks a program holding it never taps it again."""
+    with loop_scope():
+        return jax.lax.while_loop(cond_fun, lambda s: tuple(body_fun(s)), tuple(init))
+
+
+def empty_stack(length, aval):
+    """The ys buffer ``scan``'s own lowering starts from."""
+    return _scan_loops._empty_array((length,), (None,), aval)
+
+
+def empty_like(aval):
+    """An (unspecified) array of ``aval``'s type, as scan's own buffers start."""
+    return _scan_loops._empty_array((), (), aval)
+
+
+def index_in_dim(x, i):
+    return _slicing.dynamic_index_in_dim(x, i, keepdims=False, allow_negative_indices=False)
+
+
+def update_index_in_dim(x, update, i):
+    return _slicing.dynamic_update_index_in_dim(x, update, i, 0, allow_negative_indices=False)
+
+
+def call_closed(closed, args):
+    """Stage a call of a closed jaxpr, as ``scan``'s lowering does."""
+    eval_jaxpr_p = _eval_jaxpr_mod.eval_jaxpr_p
+    # JAX >= 0.11 made eval_jaxpr the one call primitive (closed_call_p is
+    # it), parameterized like every call by ``call_jaxpr``
+    key = "call_jaxpr" if eval_jaxpr_p is closed_call_p else "jaxpr"
+    return list(eval_jaxpr_p.bind(*args, **{key: closed}))
+
+
+def _zero_tangent(x):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
+def observed(tapped_fn, plain_fn, args):
+    """Evaluate ``tapped_fn(*args)``; differentiate ``plain_fn`` instead.
+
+    Both compute the same values; ``tapped_fn`` also emits. Under any
+    differentiation the derivatives (and the primal outputs) are exactly
+    those of ``plain_fn``, the user's untapped code, while ``tapped_fn``
+    runs on gradient-stopped inputs for its events alone.
+    """
+    def tapped(*a):
+        with quiet():  # JAX may trace this later, outside the interception
+            return list(tapped_fn(*a))
+
+    f = jax.custom_jvp(tapped)
+
+    # The events-only run is one opaque equation to autodiff: partial
+    # evaluation (e.g. of jax.checkpoint) never looks inside it to recompute
+    # parts, which a while loop holding callbacks could not support.
+    events = jax.custom_jvp(tapped)
+    events.defjvp(lambda p, t: (events(*p), [_zero_tangent(o) for o in events(*p)]))
+
+    def rule(primals, tangents):
+        events(*[jax.lax.stop_gradient(p) for p in primals])
+        return jax.jvp(lambda *a: list(plain_fn(*a)), list(primals), list(tangents))
+
+    f.defjvp(rule)
+    return f(*args)
+
+
+def any_lane(pred):
+    return jax.lax.reduce_or(pred, tuple(range(pred.ndim)))
+
+
+def select_lanes(pred, new, old):
+    """Per-lane select with a leading-dims predicate (a batched while's)."""
+    mask = jax.lax.broadcast_in_dim(pred, np.shape(new), tuple(range(pred.ndim)))
+    return jax.lax.select(mask, new, old)
+
+
+def optimization_barrier(x):
+    return jax.lax.optimization_barrier(x)
+
+
+def abstractify(x):
+    return _core.shaped_abstractify(x)
+
+
+def is_array_like(x) -> bool:
+    """True for values that jax-tap passes to the traced program as data."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, Tracer))
+
+
+def effects_barrier():
+    jax.effects_barrier()
+
+
+_HI_EXPANSIONS: dict = {}  # id(hijax primitive) -> (primitive, expansion or None)
+
+
+def hi_expansion(params):
+    """The closed jaxpr a hijax primitive lowers to (the equations its
+    ``expand`` stages), or None where it cannot be staged on its own."""
+    prim = params["_prim"]
+    hit = _HI_EXPANSIONS.get(id(prim))
+    if hit is not None and hit[0] is prim:
+        return hit[1]
+    try:
+        with quiet():
+            expanded = trace_closed(lambda *a: hi_call_p.to_lojax(*a, _prim=prim), list(prim.in_avals_flat))
+    except Exception:  # noqa: BLE001 - a hijax type (not an array) or a rule that needs a trace
+        expanded = None
+    if len(_HI_EXPANSIONS) > 4096:
+        _HI_EXPANSIONS.clear()
+    _HI_EXPANSIONS[id(prim)] = (prim, expanded)
+    return expanded

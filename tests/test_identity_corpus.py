@@ -941,7 +941,52 @@ def test_identity(name, mode, config):
     ref = reference(prog, mode)
     got, fired = tapped_run(prog, mode, config)
     assert fired > 0, f"{name}/{mode}/{config}: no tap fired, identity would be trivial"
+    if not _bits_equal(ref, got):
+        regime = known_regime(prog, mode, config, got)
+        if regime is not None:
+            pytest.xfail(regime)
     assert_bitwise(ref, got, f"{name}/{mode}/{config}")
+
+
+def _bits_equal(a, b):
+    try:
+        assert_bitwise(a, b)
+        return True
+    except AssertionError:
+        return False
+
+
+def _jaxpr_roundtrip(fn):
+    """``fn`` evaluated from its jaxpr, as ``tap.verbose`` evaluates it."""
+    def run(*a):
+        closed, shape = jax.make_jaxpr(fn, return_shape=True)(*a)
+        out = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *a)
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), out)
+
+    return run
+
+
+def known_regime(prog, mode, config, got):
+    """The README's name for a documented identity boundary this case is in
+    (checked, not assumed), or None: a difference outside them fails.
+
+    * Eager ``jax.grad`` of ``tap.verbose(f)`` (JAX >= 0.11): JAX's own
+      ``eval_jaxpr(make_jaxpr(f))`` differentiates to other bits than ``f``;
+      the tapped result must then equal that re-evaluation bit for bit.
+    * A primitive tap in a loop XLA:CPU outlines as a "small call" untapped
+      (JAX >= 0.11's XLA outlines every effect-free loop): the tap's
+      callback in the runner stops the outlining.
+    """
+    args = prog.args(F32)
+    if mode == "grad":
+        again = call_mode("grad", _jaxpr_roundtrip(prog.fn), args, prog)
+        if not _bits_equal(reference(prog, mode), again):
+            assert_bitwise(again, got, f"{prog.name}/{mode}/{config} vs JAX's own jaxpr re-evaluation")
+            return "eager grad of a re-evaluated jaxpr differs in JAX itself (README: Known boundaries)"
+    if config == "prim" and jax.default_backend() == "cpu":
+        if "xla_cpu_small_call" in jax.jit(prog.fn).lower(*args).compile().as_text():
+            return "primitive tap in an XLA:CPU small-call loop (README: Known boundaries)"
+    return None
 
 
 def test_corpus_size():
@@ -953,12 +998,25 @@ def test_corpus_size():
 def test_corpus_float_loops_are_not_small_calls(name):
     """The corpus measures identity outside the XLA:CPU small-call regime
     (see the module docstring); keep it there, or a size tweak would turn
-    the corpus red for a reason that is not jax-tap's."""
+    the corpus red for a reason that is not jax-tap's. JAX >= 0.11's XLA
+    outlines every effect-free loop, whatever its size: there the corpus
+    cannot leave the regime (``known_regime`` names the cases it moves)."""
     if jax.default_backend() != "cpu":
         pytest.skip("small calls are an XLA:CPU outlining decision")
     prog = PROG[name]
     txt = jax.jit(prog.fn).lower(*prog.args(F32)).compile().as_text()
+    if "xla_cpu_small_call" in txt and _outlines_every_loop():
+        pytest.xfail("this XLA outlines every effect-free loop as a small call (JAX >= 0.11)")
     assert "xla_cpu_small_call" not in txt
+
+
+def _outlines_every_loop():
+    """A loop over 1 MiB of state, far above JAX 0.10's outlining size: is it a small call?"""
+    def f(c, xs):
+        return jax.lax.scan(lambda c, x: (c * 1.01 + jnp.sin(x), None), c, xs)[0]
+
+    c, xs = jnp.ones((1 << 18,), jnp.float32), jnp.ones((4, 1 << 18), jnp.float32)
+    return "xla_cpu_small_call" in jax.jit(f).lower(c, xs).compile().as_text()
 
 
 def test_events_are_real_values():

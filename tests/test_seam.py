@@ -3,6 +3,7 @@ internals, checked directly, so a JAX upgrade that breaks one fails here
 loudly (and names it) instead of somewhere deep in a tapped program."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jaxtap as tap
 from jaxtap import _seam
@@ -125,3 +126,152 @@ def test_autodiff_tangent_traces_are_recognised():
     jax.grad(f)(1.0)
     assert seen and any(seen)
     assert not _stack._in_derivative_code()
+
+
+# ---------------------------------------------------------------- per-version vocabulary
+def test_every_internal_the_seam_imports_exists():
+    assert not _seam.MISSING, f"this JAX lacks internals jax-tap imports: {_seam.MISSING}"
+
+
+def test_this_jax_is_in_the_tested_range_and_pyproject_declares_it():
+    import pathlib
+    import re
+
+    assert _seam.tested(), f"JAX {jax.__version__} is outside {_seam.TESTED_RANGE}"
+    pyproject = pathlib.Path(__file__).parents[1] / "pyproject.toml"
+    if pyproject.exists():  # (a source checkout)
+        spec = re.search(r'"jax(>=[^"]+)"', pyproject.read_text()).group(1)
+        assert spec == ">=0.10.2,<0.13", f"pyproject's JAX range {spec!r} is not the tested {_seam.TESTED_RANGE}"
+    assert _seam.versions.parse("0.12.0.1") == (0, 12, 0, 1) and _seam.versions.parse("0.13.0rc1") == (0, 13, 0)
+    assert not _seam.tested((0, 10, 1)) and _seam.tested((0, 12, 7)) and not _seam.tested((0, 13, 0))
+
+
+def test_scan_params_speak_consts_carry_xs_on_every_jax():
+    """JAX <= 0.10: num_consts/num_carry/linear; JAX >= 0.11: ft_in/ft_out flat trees."""
+    w = jnp.float32(2.0)
+
+    def f(c0, xs):
+        return jax.lax.scan(lambda c, x: (c * w + x, c), c0, xs)
+
+    eqn = next(e for e in jax.make_jaxpr(f)(jnp.float32(1.0), jnp.ones(3)).jaxpr.eqns if e.primitive is _seam.scan_p)
+    body, nc, ncar, length = _seam.scan_parts(eqn.params)
+    assert (nc, ncar, length) == (1, 1, 3), "scan's consts/carry split"
+    assert len(body.in_avals) == nc + ncar + 1, "scan body = consts + carry + xs"
+
+    # the counter rewrite: one more trailing const, one more leading carry
+    def counted(*a):
+        consts, extra, i, c, x = a[:nc], a[nc], a[nc + 1], a[nc + 2], a[nc + 3]
+        outs = jax.core.eval_jaxpr(body.jaxpr, body.consts, *consts, c, x)
+        return [i + extra] + list(outs)
+
+    avals = list(body.in_avals)
+    new_body = _seam.trace_closed(counted, avals[:nc] + [_seam.abstractify(np.int32(0))] * 2 + avals[nc:])
+    params = _seam.scan_with_counter(eqn.params, new_body, extra_consts=1)
+    outs = _seam.bind_original(_seam.scan_p, [w, np.int32(1), np.int32(0), jnp.float32(1.0), jnp.ones(3)], params)
+    assert int(outs[0]) == 3, "scan_with_counter: the counter is the first carry"
+    assert_bits_equal(outs[1:], f(jnp.float32(1.0), jnp.ones(3)), "scan_with_counter: the user's outputs")
+
+
+def assert_bits_equal(a, b, what):
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert len(la) == len(lb) and all(np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(la, lb)), what
+
+
+def test_call_closed_stages_the_call_primitive_scan_lowers_with():
+    """JAX <= 0.10: eval_jaxpr_p(jaxpr=); JAX >= 0.11: eval_jaxpr_p is closed_call_p(call_jaxpr=)."""
+    closed = _seam.trace_closed(lambda x: [jnp.sin(x) * 2.0], [_seam.abstractify(jnp.float32(0))])
+    out = jax.jit(lambda x: _seam.call_closed(closed, [x])[0])(jnp.float32(0.5))
+    assert np.asarray(out).tobytes() == np.asarray(jnp.sin(jnp.float32(0.5)) * 2.0).tobytes()
+
+
+def test_remat_and_call_bodies_open_and_close():
+    """JAX >= 0.11 has one jaxpr type (ClosedJaxpr is Jaxpr); remat keeps an open body."""
+    eqn = jax.make_jaxpr(jax.checkpoint(lambda x: jnp.sin(x) * x))(1.0).jaxpr.eqns[0]
+    assert eqn.primitive is _seam.remat_p
+    body = _seam.remat_body(eqn.params)
+    assert isinstance(body, _seam.ClosedJaxpr) and len(body.in_avals) == 1, "remat_body"
+    params, consts = _seam.remat_with_body(eqn.params, body)
+    assert consts == [] and _seam.bind_original(_seam.remat_p, [jnp.float32(1.0)], params) is not None
+
+
+def test_scan_buffers_and_indexing_helpers():
+    aval = _seam.abstractify(jnp.zeros((2,), jnp.float32))
+    out = jax.jit(lambda: _seam.update_index_in_dim(_seam.empty_stack(3, aval), jnp.ones(2), np.int32(1)))()
+    assert out.shape == (3, 2) and np.asarray(_seam.index_in_dim(out, np.int32(1))).tolist() == [1.0, 1.0]
+    assert jax.jit(lambda: _seam.empty_like(aval))().shape == (2,)
+
+
+def test_hijax_primitives_expand_to_their_loops():
+    """JAX >= 0.12 stages some library operations (searchsorted, einsum,
+    custom_root, ...) as call_hi_primitive, whose loops exist only in its
+    expansion; the walker reads them there."""
+    if _seam.HI_CALL is None:
+        return  # (a JAX without hijax primitives has nothing to expand)
+    f = lambda a, v: jnp.searchsorted(a, v, method="scan")  # noqa: E731
+    closed = jax.make_jaxpr(f)(jnp.arange(8.0), jnp.float32(2.5))
+    names = _seam.collect_names(closed.jaxpr)
+    if _seam.HI_CALL in names:
+        assert _seam.SCAN in names, "the hijax primitive's expansion holds its scan"
+    seen = []
+    tap.verbose(f, on_step=seen.append)(jnp.arange(8.0), jnp.float32(2.5))
+    jax.effects_barrier()
+    assert seen and all(e.path == "scan[0]" for e in seen)
+
+
+def test_differentiating_sees_autodiff_traces():
+    seen = []
+
+    def f(x):
+        seen.append(_seam.differentiating())
+        return x * 2.0
+
+    f(1.0)
+    jax.grad(f)(1.0)
+    jax.jvp(f, (1.0,), (1.0,))
+    jax.jit(f)(1.0)
+    assert seen == [False, True, True, False], seen
+    with _seam.differentiated(True):
+        assert _seam.differentiating()
+
+
+def test_an_untested_jax_warns_once_at_import_and_still_runs():
+    from taputil import run_python
+
+    r = run_python("""
+        import warnings, jax, jax.numpy as jnp
+        jax.__version__ = "0.99.0"
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            import jaxtap as tap
+        msgs = [str(x.message) for x in w if "jax-tap" in str(x.message)]
+        assert len(msgs) == 1 and "0.10.2 to 0.12.x" in msgs[0] and "0.99.0" in msgs[0], msgs
+        with tap.record() as rec:
+            out = jax.lax.scan(lambda c, _: (c + 1.0, None), jnp.float32(0), None, length=3)[0]
+        assert float(out) == 3.0
+        print("OK", len(rec.events))
+    """)
+    assert r.returncode == 0 and "OK 3" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_jax_without_our_internals_runs_the_program_untapped():
+    """Never a crash: a JAX that moved an internal the with-form needs gets
+    one warning at import, and blocks run the user's code untapped."""
+    from taputil import run_python
+
+    r = run_python("""
+        import warnings, jax, jax.numpy as jnp
+        from jax._src import config
+        def gone(*a, **k):
+            raise AttributeError("string_or_object_state")
+        config.string_or_object_state = gone
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            import jaxtap as tap
+            with tap.record() as rec:
+                out = jax.lax.scan(lambda c, _: (c + 1.0, None), jnp.float32(0), None, length=3)[0]
+        msgs = [str(x.message) for x in w if "jax-tap" in str(x.message)]
+        assert float(out) == 3.0 and len(rec.events) == 0
+        assert any("string_or_object_state" in m for m in msgs) and any("untapped" in m for m in msgs), msgs
+        print("OK")
+    """, "-W", "error")
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr

@@ -56,7 +56,7 @@ class Tapped:
             key = None
         return dyn, key
 
-    def _build(self, leaves, treedef, dyn):
+    def _build(self, leaves, treedef, dyn, differentiated):
         positions = [i for i, x in enumerate(leaves) if _seam.is_array_like(x)]
         f = self.__wrapped__
 
@@ -72,7 +72,10 @@ class Tapped:
             if not self._warned_names and self._walker.plan.prim_taps:
                 self._warned_names = True
                 warn_unmatched(self._walker.plan.prim_taps, _seam.collect_names(closed.jaxpr))
-            rewritten = rewrite_program(self._walker, closed)
+            # called under autodiff: loops are rewritten so that JAX
+            # differentiates the user's own loop equations directly
+            with _seam.differentiated(True if differentiated else None):
+                rewritten = rewrite_program(self._walker, closed)
         out_tree = jax.tree_util.tree_structure(out_shape)
         cacheable = not any(isinstance(c, _seam.Tracer) for c in rewritten.consts)
         return rewritten, out_tree, cacheable
@@ -85,9 +88,11 @@ class Tapped:
             return self.__wrapped__(*args, **kwargs)  # op by op, as f would run: nothing to tap
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         dyn, key = self._signature(leaves, treedef)
+        differentiated = _seam.differentiating()
+        key = None if key is None else (key, differentiated)
         entry = self._cache.get(key) if key is not None else None
         if entry is None:
-            rewritten, out_tree, cacheable = self._build(leaves, treedef, dyn)
+            rewritten, out_tree, cacheable = self._build(leaves, treedef, dyn, differentiated)
             if key is not None and cacheable:
                 with self._lock:
                     if len(self._cache) >= _MAX_CACHE:

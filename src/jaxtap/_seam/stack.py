@@ -17,6 +17,8 @@ __all__ = [
     "site_of_eqn",
     "current_site",
     "inside_loop_body_trace",
+    "differentiated",
+    "differentiating",
     "jit_disabled",
     "at_base_trace",
     "install_bind",
@@ -34,6 +36,7 @@ __all__ = [
 
 _core = internal("jax._src.core")
 _pe = internal("jax._src.interpreters.partial_eval")
+_ad = internal("jax._src.interpreters.ad")
 _config = internal("jax._src.config")
 _source_info = internal("jax._src.source_info_util")
 _traceback_util = internal("jax._src.traceback_util")
@@ -209,6 +212,47 @@ def inside_loop_body_trace(is_loop=False) -> bool:
         if dbg is not None and getattr(dbg, "traced_for", None) in _LOOP_BODY_TRACES:
             return True
         trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+class _Differentiating(threading.local):
+    value = None  # None: look at the trace chain; True / False: decided by the caller
+
+
+_DIFFERENTIATING = _Differentiating()
+
+
+class differentiated:
+    """Within: :func:`differentiating` answers ``value`` (True: what is
+    staged now will be differentiated, e.g. a program ``tap.verbose``
+    rewrites for a call under ``jax.grad``; False: it never is, e.g. an
+    events-only run)."""
+
+    __slots__ = ("value", "prev")
+
+    def __init__(self, value):
+        self.value = value
+
+    def __enter__(self):
+        self.prev = _DIFFERENTIATING.value
+        _DIFFERENTIATING.value = self.value
+
+    def __exit__(self, *exc):
+        _DIFFERENTIATING.value = self.prev
+        return False
+
+
+def differentiating() -> bool:
+    """True while an autodiff trace (JVP or linearize) is active: what is
+    bound now is differentiated by JAX's rules as it is bound."""
+    if _DIFFERENTIATING.value is not None:
+        return _DIFFERENTIATING.value
+    autodiff = tuple(t for t in (getattr(_ad, "JVPTrace", None), getattr(_ad, "LinearizeTrace", None)) if t)
+    trace, seen = _core.trace_ctx.trace, 0
+    while trace is not None and seen < 1000:
+        if isinstance(trace, autodiff):
+            return True
+        trace, seen = getattr(trace, "parent_trace", None), seen + 1
     return False
 
 

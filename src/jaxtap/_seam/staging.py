@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .eqns import ClosedJaxpr, Tracer, closed_call_p, hi_call_p, loop_scope
-from .stack import quiet
+from .stack import differentiated, differentiating, quiet
 from .versions import internal
 
 __all__ = [
@@ -124,18 +124,36 @@ def observed(tapped_fn, plain_fn, args):
     differentiation the derivatives (and the primal outputs) are exactly
     those of ``plain_fn``, the user's untapped code, while ``tapped_fn``
     runs on gradient-stopped inputs for its events alone.
+
+    Where an autodiff trace is active now (``jax.grad(f)`` eagerly, or
+    traced inside a jit), ``plain_fn`` is bound as it is, so JAX
+    differentiates it by the very rules it would use untapped (JAX >= 0.11
+    linearizes a scan directly, which a JVP rule followed by partial
+    evaluation does not reproduce bit for bit). Otherwise a ``custom_jvp``
+    defers the choice to whatever transformation comes later.
     """
     def tapped(*a):
-        with quiet():  # JAX may trace this later, outside the interception
+        # JAX may trace this later, outside the interception; loops inside
+        # it are observed, never differentiated, whatever the trace chain says
+        with quiet(), differentiated(False):
             return list(tapped_fn(*a))
-
-    f = jax.custom_jvp(tapped)
 
     # The events-only run is one opaque equation to autodiff: partial
     # evaluation (e.g. of jax.checkpoint) never looks inside it to recompute
     # parts, which a while loop holding callbacks could not support.
     events = jax.custom_jvp(tapped)
-    events.defjvp(lambda p, t: (events(*p), [_zero_tangent(o) for o in events(*p)]))
+
+    def events_rule(primals, tangents):
+        out = events(*primals)
+        return out, [_zero_tangent(o) for o in out]
+
+    events.defjvp(events_rule)
+
+    if differentiating():
+        events(*[jax.lax.stop_gradient(x) for x in args])
+        return list(plain_fn(*args))
+
+    f = jax.custom_jvp(tapped)
 
     def rule(primals, tangents):
         events(*[jax.lax.stop_gradient(p) for p in primals])

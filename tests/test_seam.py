@@ -1,6 +1,8 @@
 """The jax-internals seam: every assumption jax-tap makes about JAX's
 internals, checked directly, so a JAX upgrade that breaks one fails here
 loudly (and names it) instead of somewhere deep in a tapped program."""
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -275,3 +277,50 @@ def test_a_jax_without_our_internals_runs_the_program_untapped():
         print("OK")
     """, "-W", "error")
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
+def test_trace_names_and_files_the_heuristics_match_exist_in_this_jax():
+    """The stack heuristics recognize JAX's loop-body traces, linear-solve
+    traces and plumbing files by name: each must still be JAX's."""
+    import pathlib
+
+    root = pathlib.Path(jax.__file__).parent
+    sources = {
+        "loops": (root / "_src" / "lax" / "control_flow" / "loops.py").read_text(),
+        "solves": (root / "_src" / "lax" / "control_flow" / "solves.py").read_text(),
+        "mlir": (root / "_src" / "interpreters" / "mlir.py").read_text(),
+    }
+    where = {"scan": "loops", "while_body": "loops", "while_cond": "loops", "fori_loop": "loops",
+             "lower_fun": "mlir", "custom_linear_solve": "solves", "custom_linear_solve solve": "solves",
+             "custom_linear_solve transpose_solve": "solves", "custom_root tangent_solve": "solves"}
+    # JAX >= 0.11 made lax.custom_root a hijax primitive: no trace of that name
+    gone_since = {"custom_root tangent_solve": (0, 11)}
+    for name in _stack._LOOP_BODY_TRACES | _stack._LINEAR_TRACES:
+        if _seam.JAX_VERSION[:2] >= gone_since.get(name, (99,)):
+            continue
+        text = sources[where[name]]
+        quoted = f'"{name}"' in text or f"'{name}'" in text or name.split(" ")[-1] in text
+        assert quoted, f"JAX no longer traces anything for {name!r} (stack heuristics)"
+    for part in _stack._PLUMBING + _stack._BINDER_FILES:
+        rel = part.split(os.path.join("jax", ""), 1)[1]
+        assert (root / rel).exists(), f"JAX plumbing {part!r} the site heuristics skip is gone"
+
+
+def test_the_wrapping_form_runs_untapped_when_the_rewrite_fails(monkeypatch):
+    """A JAX change the seam missed must not crash verbose(f): one warning,
+    the user's program untapped."""
+    import warnings
+
+    from jaxtap import _loops
+
+    def broken(*a, **k):
+        raise KeyError("num_consts")  # (what JAX 0.11 did to an unprepared seam)
+
+    monkeypatch.setattr(_loops._seam, "scan_parts", broken)
+    f = lambda x: jax.lax.scan(lambda c, _: (c * 1.5, None), x, None, length=3)[0]  # noqa: E731
+    seen = []
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = tap.verbose(f, on_step=seen.append)(jnp.float32(1.0))
+    assert float(out) == 3.375 and seen == []
+    assert any("runs untapped" in str(x.message) and "num_consts" in str(x.message) for x in w)

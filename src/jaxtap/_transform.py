@@ -31,6 +31,10 @@ from ._options import Plan, PrimTap
 _INT32 = None
 
 
+class WhereError(TypeError):
+    """The user's ``where`` raised: bad input, never a reason to run untapped."""
+
+
 def _int32_aval():
     global _INT32
     if _INT32 is None:
@@ -168,7 +172,7 @@ class Walker:
             try:
                 return bool(p.where(path))
             except Exception as exc:  # noqa: BLE001 - a broken where is bad input
-                raise TypeError(f"jax-tap: your `where` raised on path {path!r}: {exc!r}") from None
+                raise WhereError(f"jax-tap: your `where` raised on path {path!r}: {exc!r}") from None
         return True
 
     def needs(self, jaxpr) -> bool:

@@ -18,7 +18,8 @@ from . import _seam
 from ._host import Consumers, Guard, warn_once_now
 from ._options import build_plan, check_host_callables
 from ._toolkit import prim_consumers, warn_unmatched
-from ._transform import SiteIndex, Sinks, Walker, rewrite_program
+from ._emit import TapSelectError
+from ._transform import SiteIndex, Sinks, Walker, WhereError, rewrite_program
 
 _MAX_CACHE = 64
 
@@ -75,7 +76,14 @@ class Tapped:
             # called under autodiff: loops are rewritten so that JAX
             # differentiates the user's own loop equations directly
             with _seam.differentiated(True if differentiated else None):
-                rewritten = rewrite_program(self._walker, closed)
+                try:
+                    rewritten = rewrite_program(self._walker, closed)
+                except (TapSelectError, WhereError):
+                    raise  # the user's select/where: bad input, said clearly
+                except Exception as exc:  # noqa: BLE001 - our failure must not be the user's
+                    name = getattr(self.__wrapped__, "__qualname__", "a function")
+                    warn_once_now(f"jax-tap: could not tap {name} ({type(exc).__name__}: {exc}); it runs untapped.")
+                    rewritten = closed
         out_tree = jax.tree_util.tree_structure(out_shape)
         cacheable = not any(isinstance(c, _seam.Tracer) for c in rewritten.consts)
         return rewritten, out_tree, cacheable

@@ -280,7 +280,13 @@ def _make_bind(prim):
         if _seam.BUSY.depth or not _REGISTRY.n_active:
             return _seam.bind_original(prim, args, params)
         ctx = _REGISTRY.top(threading.get_ident()) or _REGISTRY.sole()
-        if ctx is None or _seam.inside_loop_body_trace(is_loop=handler is not None):
+        try:
+            nested = ctx is None or _seam.inside_loop_body_trace(is_loop=handler is not None)
+        except Exception as exc:  # noqa: BLE001 - a JAX whose traces the seam cannot read
+            warn_once_now(f"jax-tap: cannot read this JAX's trace state ({type(exc).__name__}: {exc}); "
+                          f"the {prim.name} runs untapped.")
+            nested = True
+        if nested:
             return _seam.bind_original(prim, args, params)
         if handler is None:
             return _tap_primitive(prim, ctx, args, params)

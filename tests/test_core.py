@@ -446,3 +446,27 @@ def test_disable_jit_runs_f_as_it_would_run():
             warnings.simplefilter("always")
             out = tap.verbose(f, on_step=print)(jnp.float32(0.5))
     assert_bits(out, expected)
+
+
+def test_wrapped_callables_attributes_never_shadow_ours():
+    """Equinox's filter_jit, flax transforms, partials and callable objects
+    carry a __dict__ (filter_jit's `_signature` once shadowed our method);
+    their attributes show through without replacing jax-tap's own."""
+    import functools
+
+    class Wrapper:
+        def __init__(self, fn):
+            self.fn, self._signature, self._build, self._cache, self.__call__ = fn, "theirs", 1, None, None
+            self.note = "kept"
+
+        def __call__(self, *a):
+            return self.fn(*a)
+
+    f = Wrapper(lambda x: jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=3)[0])
+    part = functools.partial(lambda k, x: jax.lax.scan(lambda c, _: (c * k, None), x, None, length=2)[0], 2.0)
+    for fn, want in ((f, 3.0), (part, 4.0)):
+        seen = []
+        g = tap.verbose(fn, on_step=seen.append)
+        assert float(sync(g(jnp.float32(1.0 if fn is part else 0.0)))) == want
+        assert [e.path for e in seen] == ["scan[0]"] * (3 if fn is f else 2)
+    assert tap.verbose(f, on_step=print).note == "kept"

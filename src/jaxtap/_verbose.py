@@ -28,8 +28,15 @@ class Tapped:
     """A function observed by jax-tap; call it exactly like the original."""
 
     def __init__(self, f: Callable, walker: Walker, consumers: Consumers, prims, observes: bool):
+        # the wrapped callable's own attributes show through, except where
+        # they would shadow ours (Equinox's filter_jit has a `_signature`)
+        functools.update_wrapper(self, f, updated=())
+        mine = set(dir(type(self))) | {"_walker", "_consumers", "_prims", "_observes", "_cache", "_lock",
+                                       "_warned_names"}
+        for key, value in getattr(f, "__dict__", {}).items():
+            if key not in mine and key not in self.__dict__:
+                self.__dict__[key] = value
         self.__wrapped__ = f
-        functools.update_wrapper(self, f)
         self._walker = walker
         self._consumers = consumers
         self._prims = prims

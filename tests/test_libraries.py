@@ -1,0 +1,153 @@
+"""Real-library workloads under both forms.
+
+Small programs from the libraries our users run (Equinox, lineax,
+optimistix, diffrax, numpyro, optax, flax; BlackJAX has its own tests), each
+run untapped, in the with-form and in ``tap.verbose``. Each must not crash,
+must return bitwise what the untapped run returns, must deliver events, and
+the two forms must deliver the same event stream (paths, steps, kinds and
+values). Known gaps are strict ``xfail``s naming the README boundary.
+"""
+import collections
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxtap as tap
+from taputil import assert_bits, sync
+
+eqx = pytest.importorskip("equinox")
+
+
+def _eqx_filter_jit():
+    f = eqx.filter_jit(lambda x: jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=3)[0])
+    return f, (jnp.float32(0),)
+
+
+def _lineax_cg():
+    import lineax as lx
+
+    def solve(A, b):
+        op = lx.MatrixLinearOperator(A, lx.positive_semidefinite_tag)
+        return lx.linear_solve(op, b, lx.CG(rtol=1e-6, atol=1e-6)).value
+
+    return solve, (jnp.eye(4) * 2.0 + 0.1, jnp.ones(4))
+
+
+def _optimistix_newton():
+    import optimistix as optx
+
+    def root(y0):
+        return optx.root_find(lambda y, _: y ** 3 - 2.0, optx.Newton(rtol=1e-6, atol=1e-6), y0).value
+
+    return root, (jnp.float32(1.0),)
+
+
+def _diffrax_tsit5():
+    import diffrax
+
+    def ode(y0):
+        term = diffrax.ODETerm(lambda t, y, args: -y)
+        return diffrax.diffeqsolve(term, diffrax.Tsit5(), 0.0, 1.0, 0.1, y0, saveat=diffrax.SaveAt(t1=True)).ys
+
+    return jax.jit(ode), (jnp.ones(3),)
+
+
+def _optax_adam():
+    import optax
+
+    opt = optax.adam(1e-2)
+
+    def train(w):
+        def step(c, _):
+            w, s = c
+            g = jax.grad(lambda w: jnp.sum((w - 3.0) ** 2))(w)
+            u, s = opt.update(g, s, w)
+            return (optax.apply_updates(w, u), s), None
+
+        return jax.lax.scan(step, (w, opt.init(w)), None, length=20)[0][0]
+
+    return jax.jit(train), (jnp.zeros(4),)
+
+
+def _numpyro_nuts():
+    import numpyro
+    import numpyro.distributions as dist
+    from numpyro.infer import MCMC, NUTS
+
+    def model():
+        numpyro.sample("x", dist.Normal(0.0, 1.0))
+
+    def run(key):
+        mcmc = MCMC(NUTS(model), num_warmup=20, num_samples=20, progress_bar=False)
+        mcmc.run(key)
+        return mcmc.get_samples()["x"]
+
+    return run, (jax.random.key(0),)
+
+
+def _flax_linen_sgd():
+    import flax.linen as nn
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1)(jnp.tanh(nn.Dense(8)(x)))
+
+    mlp = MLP()
+    params = mlp.init(jax.random.key(1), jnp.ones((4, 2)))
+
+    def fit(p, x):
+        def step(p, _):
+            g = jax.grad(lambda p: jnp.mean(mlp.apply(p, x) ** 2))(p)
+            return jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, p, g), None
+
+        return jax.lax.scan(step, p, None, length=5)[0]
+
+    return jax.jit(fit), (params, jnp.ones((4, 2)))
+
+
+_GAP_PRIMITIVE = "loops inside Equinox custom primitives are not tapped (README: Known boundaries)"
+_GAP_ADDRESS = "library loops excluded from JAX tracebacks share a with-form address (README: Known boundaries)"
+_GAP_INIT = "the with-form misses numpyro's one-step initialization while loop (README: Known boundaries)"
+WORKLOADS = {
+    "equinox_filter_jit": (_eqx_filter_jit, None),
+    "lineax_cg": (_lineax_cg, _GAP_PRIMITIVE),
+    "optimistix_newton": (_optimistix_newton, None),
+    "diffrax_tsit5": (_diffrax_tsit5, _GAP_ADDRESS),
+    "optax_adam": (_optax_adam, None),
+    "numpyro_nuts": (_numpyro_nuts, _GAP_INIT),
+    "flax_linen_sgd": (_flax_linen_sgd, None),
+}
+
+
+def _stream(events):
+    out = []
+    for e in events:
+        leaves = jax.tree_util.tree_leaves(e.value)
+        out.append((e.path, e.step, e.kind, tuple(np.asarray(v).tobytes() for v in leaves)))
+    return out
+
+
+def _params():
+    for name, (_, gap) in WORKLOADS.items():
+        marks = [pytest.mark.xfail(strict=True, reason=gap)] if gap else []
+        yield pytest.param(name, marks=marks, id=name)
+
+
+@pytest.mark.parametrize("name", list(_params()))
+def test_library_workload_in_both_forms(name):
+    build, _ = WORKLOADS[name]
+    fn, args = build()
+    ref = sync(fn(*args))
+    seen = []
+    got_verbose = sync(tap.verbose(fn, on_step=seen.append)(*args))
+    with tap.record() as rec:
+        got_with = sync(fn(*args))
+    assert_bits(ref, got_verbose)
+    assert_bits(ref, got_with)
+    assert seen and rec.events, f"no events: verbose {len(seen)}, with-form {len(rec.events)}"
+    paths_v = collections.Counter(e.path for e in seen)
+    paths_w = collections.Counter(e.path for e in rec.events)
+    assert paths_v == paths_w, f"addresses differ: verbose {dict(paths_v)} vs with-form {dict(paths_w)}"
+    assert _stream(seen) == _stream(rec.events), "the two forms deliver different event streams"

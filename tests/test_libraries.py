@@ -109,7 +109,8 @@ def _flax_linen_sgd():
 
 _GAP_PRIMITIVE = "loops inside Equinox custom primitives are not tapped (README: Known boundaries)"
 _GAP_ADDRESS = "library loops excluded from JAX tracebacks share a with-form address (README: Known boundaries)"
-_GAP_INIT = "the with-form misses numpyro's one-step initialization while loop (README: Known boundaries)"
+_GAP_INIT = ("tap.verbose traces f: numpyro's eager-only early exit is not taken, so it reports an "
+             "initialization loop the program never runs (README: Known boundaries)")
 WORKLOADS = {
     "equinox_filter_jit": (_eqx_filter_jit, None),
     "lineax_cg": (_lineax_cg, _GAP_PRIMITIVE),

@@ -15,6 +15,13 @@ dtype and shape, under: a plain (eager) call, ``jax.jit``, ``jax.vmap``,
 ``tap.watch_nan``). Every tapped call must also actually deliver events, so
 identity is never the trivial "nothing was tapped" one.
 
+A parameter used twice in a body (``dataclass_kalman``'s d/dA) and
+grad-of-grad through custom_vjp once moved by an ulp under autodiff (the
+custom_jvp rule re-derived the user's loop by JVP and partial evaluation
+beside the tapped one); a loop rewritten under an active autodiff trace is
+now bound as it is, and both are in the corpus again
+(``test_identity_custom_rules_and_shared_parameters_under_autodiff``).
+
 Known residues are ``xfail`` only after ``known_regime`` checks that the case
 is in a documented regime (README, "Known boundaries"): a primitive tap in a
 loop XLA:CPU outlines as a small call (every loop, on JAX 0.12's XLA), and
@@ -45,10 +52,6 @@ Regimes deliberately NOT in this file, because they break identity today
   adds to (XLA fuses across unrolled steps; the runner runs one step at a
   time), and scans of length 0 (tap.verbose raises) or 1 (XLA removes the
   untapped loop). The hypothesis test draws unroll=1 and lengths >= 2.
-* Under autodiff, a parameter used twice in a body (``dataclass_kalman``'s
-  d/dA; ``A @ c + A.T @ f(c)``) and grad-of-grad through custom_vjp: the
-  in-body tap changes XLA's fusion of the forward loop. Those programs are
-  differentiated w.r.t. the other arguments only.
 * ``jax.disable_jit()`` with ``while_loop`` and NumPy-semantics code before the
   loop (tap.verbose traces ``f``).
 
@@ -665,9 +668,10 @@ PROGRAMS = [
     Program("dataclass_kalman", kalman,
             lambda dt: (_normal(35, (12,), dt), _normal(36, (8, 12), dt), jnp.asarray(
                 np.eye(12) * 0.95 + _rng(37).standard_normal((12, 12)) * 0.02, dt)),
-            # d/dA breaks bitwise under grad (the in-body tap used under autodiff
-            # changes XLA's fusion of the forward loop), so differentiate w.r.t. mu0 and ys
-            diff=(0, 1), on=("lu",)),
+            # d/dA (A used twice in the body) once moved by an ulp: the custom_jvp rule's
+            # JVP + partial evaluation of the user's loop beside the tapped one; a loop
+            # rewritten under an active autodiff trace is now bound as it is
+            diff=(0, 1, 2), on=("lu",)),
     Program("reverse_scan_gae", gae, lambda dt: (_normal(38, (12, 128), dt), _normal(39, (12, 128), dt)),
             diff=(0, 1), on=("concatenate",), grad2=True),
     Program("unroll4_horner", horner_unroll, lambda dt: (_normal(40, (9,), dt, 0.5),
@@ -682,7 +686,7 @@ PROGRAMS = [
     Program("custom_jvp_in_body", custom_jvp_body, lambda dt: (_normal(44, (128,), dt), _normal(45, (8, 128), dt)),
             diff=(0, 1), nan=("exp",), grad2=True),
     Program("custom_vjp_in_body", custom_vjp_body, lambda dt: (_normal(46, (128,), dt), _normal(47, (8, 128), dt)),
-            diff=(0, 1), nan=("log1p",), grad2=False,  # grad2 differs by 1 ulp (same autodiff family)
+            diff=(0, 1), nan=("log1p",), grad2=True,
             skip=("jacfwd", "jit_jacfwd", "with_jacfwd")),  # JAX has no forward mode through custom_vjp
     Program("nested3_scan_scan_fori", nested3_scan, lambda dt: (_normal(48, (128,), dt), jnp.linspace(0.5, 1.5, 3, dtype=dt)),
             diff=(0, 1), nan=("sin",), grad2=True),
@@ -965,6 +969,20 @@ def test_identity(name, mode, config):
         if regime is not None:
             pytest.xfail(regime)
     assert_bitwise(ref, got, f"{name}/{mode}/{config}")
+
+
+_CUSTOM_RULE_CASES = [
+    (name, mode) for name in ("custom_jvp_in_body", "custom_vjp_in_body")
+    for mode in ("grad", "jit_grad", "with_grad", "grad2", "jacfwd", "jit_jacfwd", "with_jacfwd")
+    if not (name == "custom_vjp_in_body" and "jacfwd" in mode)  # (JAX has no forward mode through custom_vjp)
+] + [("dataclass_kalman", m) for m in ("grad", "jit_grad", "grad2")]
+
+
+@pytest.mark.parametrize("name,mode", _CUSTOM_RULE_CASES, ids=[f"{n}-{m}" for n, m in _CUSTOM_RULE_CASES])
+def test_identity_custom_rules_and_shared_parameters_under_autodiff(name, mode):
+    """Custom derivative rules inside a tapped loop, and a parameter used
+    twice in a body (dataclass_kalman's A), under every autodiff form."""
+    test_identity(name, mode, "carry_default")
 
 
 def _bits_equal(a, b):

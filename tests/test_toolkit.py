@@ -706,3 +706,19 @@ def test_taps_must_be_tap_objects():
         tap.verbose(sin_scan, taps=["sin"])
     with pytest.raises(TypeError, match="taps"):
         tap.record(taps=[lambda x: x])
+
+
+def test_primitives_lists_only_what_a_tap_can_reach():
+    """Inside a primitive the walker binds unchanged (custom_linear_solve's
+    operator and solves) nothing can be tapped: tap.primitives does not list
+    it, and a tap on such a name warns that it matched nothing."""
+    import warnings
+
+    A, b = jnp.eye(3) * 2.0, jnp.ones(3)
+    f = lambda A, b: jnp.linalg.solve(A, b)  # noqa: E731
+    names = tap.primitives(f, A, b)
+    assert "custom_linear_solve" in names and "dot_general" not in names
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        tap.verbose(f, taps=[tap.print("dot_general")])(A, b)
+    assert any("'dot_general' matched nothing" in str(x.message) for x in w)

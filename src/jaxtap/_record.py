@@ -29,7 +29,7 @@ from ._emit import TapSelectError
 from ._host import warn_once_now
 from ._toolkit import warn_unmatched
 from ._loops import handle_scan, handle_while
-from ._transform import SiteIndex, Sinks, Walker
+from ._transform import SiteIndex, Sinks, Walker, tappable_names
 from ._verbose import configure, make_tapped, rebuild_guard
 
 _HANDLERS = {_seam.scan_p: handle_scan, _seam.while_p: handle_while}
@@ -325,7 +325,7 @@ def _intercept(prim, handler, ctx, args, params):
     ctx._sites.index("scan" if prim is _seam.scan_p else "while", site)  # program order
     with _seam.quiet():
         try:
-            ctx._names_seen.update(_seam.collect_names(_seam.loop_body(prim, params).jaxpr))
+            ctx._names_seen.update(tappable_names(_seam.loop_body(prim, params).jaxpr))
             with _seam.loop_scope():
                 return handler(walker, None, params, list(args), walker.top_scope(), site)
         except TapSelectError:

@@ -10,6 +10,7 @@ from typing import Callable, Optional
 import jax
 
 from . import _seam
+from ._transform import tappable_names
 from ._event import TapEvent
 from ._host import Alerter, _say, fmt_total, value_repr, warn_once_now
 from ._options import PrimTap
@@ -157,7 +158,7 @@ def primitives(f: Callable, *args, **kwargs) -> dict:
     if not callable(f):
         raise TypeError(f"jax-tap: primitives(f, *args) needs a callable f, got {f!r}")
     closed = jax.make_jaxpr(f)(*args, **kwargs)
-    return _seam.collect_names(closed.jaxpr)
+    return tappable_names(closed.jaxpr)
 
 
 def warn_unmatched(taps, names_seen) -> None:

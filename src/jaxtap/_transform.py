@@ -508,6 +508,14 @@ if _seam.HI_CALL is not None:
     HANDLERS[_seam.HI_CALL] = handle_hi
 
 
+def tappable_names(jaxpr) -> dict:
+    """Primitive name -> count of what the walker can reach (and so tap):
+    loop bodies, branches, jits, checkpoints, custom-derivative bodies;
+    never the inside of a primitive it binds unchanged (a linear solve's
+    operator, ``shard_map``, ``pallas_call``)."""
+    return _seam.collect_names(jaxpr, into=set(HANDLERS))
+
+
 def rewrite_program(walker: Walker, closed):
     """Rewrite a whole traced program (the B-form's entry point)."""
     if not walker.needs(closed.jaxpr):

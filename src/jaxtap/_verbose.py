@@ -19,7 +19,7 @@ from ._host import Consumers, Guard, warn_once_now
 from ._options import build_plan, check_host_callables
 from ._toolkit import prim_consumers, warn_unmatched
 from ._emit import TapSelectError
-from ._transform import SiteIndex, Sinks, Walker, WhereError, rewrite_program
+from ._transform import SiteIndex, Sinks, Walker, WhereError, rewrite_program, tappable_names
 
 _MAX_CACHE = 64
 
@@ -79,7 +79,7 @@ class Tapped:
             closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*dyn)
             if not self._warned_names and self._walker.plan.prim_taps:
                 self._warned_names = True
-                warn_unmatched(self._walker.plan.prim_taps, _seam.collect_names(closed.jaxpr))
+                warn_unmatched(self._walker.plan.prim_taps, tappable_names(closed.jaxpr))
             # called under autodiff: loops are rewritten so that JAX
             # differentiates the user's own loop equations directly
             with _seam.differentiated(True if differentiated else None):

@@ -308,12 +308,14 @@ def is_inexact(dtype) -> bool:
         return False
 
 
-def collect_names(jaxpr, out=None) -> dict:
-    """Primitive name -> count, including every nested jaxpr."""
+def collect_names(jaxpr, out=None, into=None) -> dict:
+    """Primitive name -> count, including the jaxprs nested in equations
+    named in ``into`` (every nested jaxpr when None)."""
     out = {} if out is None else out
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         out[name] = out.get(name, 0) + 1
-        for sub in subjaxprs_of(eqn.params):
-            collect_names(sub, out)
+        if into is None or name in into:
+            for sub in subjaxprs_of(eqn.params):
+                collect_names(sub, out, into)
     return out

@@ -584,3 +584,28 @@ def test_events_is_a_snapshot_with_or_without_maxlen():
         rec(tap.TapEvent("scan[0]", 1, 2.0))
         snap.clear()
         assert len(snap) == 0 and len(rec.events) == 2
+
+
+def test_published_package_spellings_of_collectors_and_warnings():
+    """Code written for jax-tap 0.3.1 imports jaxtap.collectors, filters
+    UserWarning, and clears a recorder by assigning its events."""
+    import warnings
+
+    from jaxtap.collectors import FlightRecorder, JSONLWriter, read_jsonl
+
+    assert (FlightRecorder, JSONLWriter, read_jsonl) == (tap.FlightRecorder, tap.JSONLWriter, tap.read_jsonl)
+    assert issubclass(tap.TapWarning, UserWarning) and issubclass(tap.TapWarning, RuntimeWarning)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.warn("x", tap.TapWarning)
+    assert w == []
+    for rec, kept in ((FlightRecorder(), 3), (FlightRecorder(maxlen=2), 2)):
+        g = tap.verbose(lambda x: jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=3), on_step=rec)
+        jax.block_until_ready(g(jnp.float32(0.0)))
+        jax.effects_barrier()
+        assert len(rec.events) == kept
+        rec.events = []
+        assert rec.events == [] and len(rec) == 0
+        jax.block_until_ready(g(jnp.float32(0.0)))
+        jax.effects_barrier()
+        assert [e.step for e in rec.events] == [0, 1, 2][-kept:]  # the bound survives the assignment

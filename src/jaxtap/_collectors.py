@@ -40,8 +40,15 @@ class FlightRecorder:
 
     @property
     def events(self) -> List[TapEvent]:
-        """The recorded events, oldest first (a list snapshot)."""
+        """The recorded events, oldest first (a list snapshot). Assignable,
+        as in jax-tap 0.3.1 (``rec.events = []`` clears the recorder)."""
         return list(self._events)
+
+    @events.setter
+    def events(self, events) -> None:
+        kept = collections.deque(events, maxlen=self._events.maxlen) if isinstance(self._events, collections.deque) \
+            else list(events)
+        self._events = kept
 
     def append(self, event: TapEvent) -> None:
         """Record one event."""

@@ -17,8 +17,9 @@ import numpy as np
 from ._event import TapEvent
 
 
-class TapWarning(RuntimeWarning):
-    """A telemetry consumer failed; the program itself was not touched."""
+class TapWarning(RuntimeWarning, UserWarning):
+    """A telemetry consumer failed; the program itself was not touched.
+    (Also a ``UserWarning``, as in jax-tap 0.3.1, so filters on either work.)"""
 
 
 def _say(text: str) -> None:

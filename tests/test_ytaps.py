@@ -130,3 +130,13 @@ def test_blackjax_mclmc_divergence_recipe(capfd):
     divergence_steps = [e.step for e in rec.events if e.kind == "output" and np.all(e.value)]
     assert isinstance(divergence_steps, list)
     assert all(e.path.startswith("scan[") for e in outputs)
+
+
+def test_ytaps_without_scan_in_ops_say_select_ys_has_no_effect():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        tap.verbose(lambda x: x, on_ys=print, select_ys=lambda ys: ys, ops=("while_loop",))
+    msgs = [str(x.message) for x in w]
+    assert any("select_ys has no effect" in m and "Add 'scan' to ops" in m for m in msgs), msgs

@@ -184,8 +184,8 @@ def build_plan(*, select, sample_every, ops, where, max_depth, taps, emit_carry,
     kinds = normalize_ops(ops)
     if emit_ys and "scan" not in kinds:
         from ._host import warn_once_now
-        warn_once_now("jax-tap: y-taps (select_ys/on_ys/alert_ys) observe scans, but `ops` excludes 'scan'; "
-                      "no output events will be emitted. Add 'scan' to ops.")
+        warn_once_now("jax-tap: y-taps (select_ys/on_ys/alert_ys) observe scans, but `ops` excludes 'scan': "
+                      "select_ys has no effect and no output events will be emitted. Add 'scan' to ops.")
     taps = tuple(taps or ())
     for t in taps:
         if not isinstance(t, PrimTap):

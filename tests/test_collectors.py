@@ -609,3 +609,15 @@ def test_published_package_spellings_of_collectors_and_warnings():
         jax.block_until_ready(g(jnp.float32(0.0)))
         jax.effects_barrier()
         assert [e.step for e in rec.events] == [0, 1, 2][-kept:]  # the bound survives the assignment
+
+
+def test_df_one_element_tuple_is_the_value_column():
+    pytest.importorskip("pandas")
+    rec = tap.FlightRecorder()
+    for step, value in enumerate([(np.float32(1.5),), (np.float32(2.5),)]):
+        rec.append(tap.TapEvent(path="scan[0]", step=step, value=value, total=2, kind="carry"))
+    df = rec.df()
+    assert list(df.columns) == ["path", "step", "value"] and df["value"].tolist() == [1.5, 2.5]
+    rec2 = tap.FlightRecorder()
+    rec2.append(tap.TapEvent(path="scan[0]", step=0, value=(np.float32(1.0), np.float32(2.0)), total=1, kind="carry"))
+    assert list(rec2.df().columns) == ["path", "step", "value_0", "value_1"]

@@ -78,7 +78,8 @@ class FlightRecorder:
         """A tidy pandas DataFrame, one row per event.
 
         Columns: ``path``, ``step``, then the value: a scalar becomes
-        ``value``; a tuple or list ``value_0``, ``value_1``, ...; a dict one
+        ``value`` (so does a one-element tuple); a tuple or list ``value_0``,
+        ``value_1``, ...; a dict one
         column per key (nested containers are flattened with ``_``).
         ``kind=True`` / ``total=True`` add those columns.
 
@@ -110,6 +111,8 @@ def _flatten_value(value, name, row, top=False):
     if isinstance(value, dict):
         for k, v in value.items():
             _flatten_value(v, str(k) if top else f"{name}_{k}", row)
+    elif isinstance(value, (tuple, list)) and top and len(value) == 1:
+        _flatten_value(value[0], name, row)  # a one-element tuple is `value` (as in jax-tap 0.3.1)
     elif isinstance(value, (tuple, list)):
         for i, v in enumerate(value):
             _flatten_value(v, f"{name}_{i}", row)

@@ -621,3 +621,18 @@ def test_df_one_element_tuple_is_the_value_column():
     rec2 = tap.FlightRecorder()
     rec2.append(tap.TapEvent(path="scan[0]", step=0, value=(np.float32(1.0), np.float32(2.0)), total=1, kind="carry"))
     assert list(rec2.df().columns) == ["path", "step", "value_0", "value_1"]
+
+
+def test_alert_once_still_calls_the_alert_on_every_event(capfd):
+    calls = []
+
+    def alert(e):
+        calls.append(e.step)
+        return "big" if float(e.value) > 1.0 else None
+
+    g = tap.verbose(lambda x: jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=4)[0],
+                    alert=alert, alert_once=True, select=lambda leaves: leaves[0])
+    jax.block_until_ready(g(jnp.float32(0.0)))
+    jax.effects_barrier()
+    assert calls == [0, 1, 2, 3]
+    assert capfd.readouterr().err.count("FAIL") == 1

@@ -117,11 +117,10 @@ class Alerter:
             self._fired.clear()
 
     def __call__(self, event: TapEvent) -> None:
+        # the predicate runs on every event, `once` included (the spec and
+        # jax-tap 0.3.1: "alert runs before on_step; both run"); `once`
+        # silences the printed line after the first firing
         key = self.once_key(event)
-        if self.once:
-            with self._lock:
-                if key in self._fired:
-                    return
         try:
             verdict = self.guard(event.value if self.on_value else event)
             if isinstance(verdict, str):

@@ -190,7 +190,8 @@ def verbose(f: Callable, *, on_step: Optional[Callable] = None, select: Optional
         Host-side predicate on each carry event; a ``str`` return is the
         message, another truthy value prints ``alert``.
     alert_once : bool
-        Fire ``alert`` at most once per path per call.
+        Print the alert line at most once per path per call (the alert
+        itself still runs on every event).
     ops : tuple of str
         Loop kinds that emit: ``"scan"``, ``"while_loop"``.
     sample_every : int

@@ -722,3 +722,23 @@ def test_primitives_lists_only_what_a_tap_can_reach():
         warnings.simplefilter("always")
         tap.verbose(f, taps=[tap.print("dot_general")])(A, b)
     assert any("'dot_general' matched nothing" in str(x.message) for x in w)
+
+
+def test_a_tap_on_an_output_the_primitive_lacks_is_a_clear_error_in_both_forms():
+    a = jnp.eye(3, dtype=jnp.float32) * 2.0
+
+    def f(a):
+        return jax.lax.scan(lambda c, _: (c + jnp.linalg.eigh(c)[0].sum(), None), a, None, length=2)[0]
+
+    def g(a):
+        return jnp.linalg.eigh(a)[0]  # outside any loop
+
+    # (one configuration per function: a block reuses the jit traces of an
+    # earlier block with the same configuration, README "With-form and JAX's caches")
+    for fn, k in ((f, 99), (g, 7)):
+        with pytest.raises(tap.TapSelectError, match=rf"'eigh' asks for output={k}, but eigh has 2 outputs: "
+                                                     r"use output=0\.\.1"):
+            tap.verbose(fn, taps=[tap.on("eigh", output=k)])(a)
+        with pytest.raises(tap.TapSelectError, match=f"output={k}"):
+            with tap.record(taps=[tap.on("eigh", output=k)]):
+                fn(a)

@@ -314,6 +314,8 @@ def _tap_primitive(prim, ctx, args, params):
     with _seam.quiet():
         try:
             walker.emit_prims(prim.name, _seam.current_site(), False, list(args), outs, walker.top_scope())
+        except TapSelectError:
+            raise  # bad input: said clearly, never swallowed
         except Exception as exc:  # noqa: BLE001
             warn_once_now(f"jax-tap: could not tap {prim.name} ({type(exc).__name__}: {exc}).")
     return out

@@ -25,7 +25,7 @@ import numpy as np
 from jax import lax
 
 from . import _seam
-from ._emit import Meta, Side, emit, finite_flag, run_select
+from ._emit import Meta, Side, TapSelectError, emit, finite_flag, run_select
 from ._options import Plan, PrimTap
 
 _INT32 = None
@@ -258,7 +258,7 @@ class Walker:
         sampled = None if every == 1 else lax.eq(lax.rem(step, np.int32(every)), np.int32(0))
         metas, payloads = [], []
         for i, t in taps:
-            chosen = tuple(outs) if t.output is None else (outs[t.output],)
+            chosen = tuple(outs) if t.output is None else (_output(t, outs),)
             meta = Meta(self.sinks.prims[i], path, top, scope.total, "primitive")
             if t.mode == "nan":  # a tripwire crosses to the host only when it trips
                 self._emit_when(lax.bitwise_not(finite_flag(chosen)), sampled, meta, step, scope)
@@ -282,6 +282,17 @@ class Walker:
         valid = _both(_both(flag, sampled), scope.alive)
         emit([meta], lambda: [np.bool_(False)], self.sinks.guard, step=step, sample_every=1, valid=valid,
              batched_hop=not scope.diff)
+
+
+def _output(t: PrimTap, outs):
+    """Output ``t.output`` of a tapped primitive; a clear error (at trace
+    time, before anything runs) when the primitive has no such output."""
+    n = len(outs)
+    if not -n <= t.output < n:
+        raise TapSelectError(
+            f"jax-tap: the tap on {t.prim!r} asks for output={t.output}, but {t.prim} has {n} output"
+            f"{'s' if n != 1 else ''}: use output={'0' if n == 1 else f'0..{n - 1}'}, or output=None for all.")
+    return outs[t.output]
 
 
 def _prim_payload(t: PrimTap, chosen, path):

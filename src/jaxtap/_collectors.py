@@ -34,7 +34,7 @@ class FlightRecorder:
     def __init__(self, maxlen: Optional[int] = None):
         if maxlen is not None and (not isinstance(maxlen, int) or isinstance(maxlen, bool) or maxlen < 1):
             raise ValueError(f"jax-tap: FlightRecorder(maxlen=...) must be a positive int or None, got {maxlen!r}")
-        self._events = collections.deque(maxlen=maxlen) if maxlen else []
+        self._events = _store((), maxlen)
         # Appends, copies and clears of a list/deque are single C calls under
         # the GIL, so they need no lock.
 
@@ -46,9 +46,7 @@ class FlightRecorder:
 
     @events.setter
     def events(self, events) -> None:
-        kept = collections.deque(events, maxlen=self._events.maxlen) if isinstance(self._events, collections.deque) \
-            else list(events)
-        self._events = kept
+        self._events = _store(events, getattr(self._events, "maxlen", None))
 
     def append(self, event: TapEvent) -> None:
         """Record one event."""
@@ -105,6 +103,11 @@ class FlightRecorder:
             rows.append(row)
         base = ["path", "step"] + (["kind"] if kind else []) + (["total"] if total else [])
         return pd.DataFrame(rows, columns=None if rows else base)
+
+
+def _store(events, maxlen):
+    """A recorder's event store: bounded (a deque) when ``maxlen`` is set."""
+    return collections.deque(events, maxlen=maxlen) if maxlen else list(events)
 
 
 def _flatten_value(value, name, row, top=False):

@@ -369,8 +369,8 @@ class TapContext:
                 "(tap.record(...)) for a nested or concurrent block."
             )
         if not _seam.can_intercept():
-            warn_once_now(f"jax-tap: this JAX ({_seam.JAX_VERSION_TEXT}) lacks the jit-key state the with-form needs; "
-                      f"the block runs untapped. Install a tested JAX ({_seam.TESTED_RANGE}).")
+            warn_once_now(f"jax-tap: this JAX ({_seam.JAX_VERSION_TEXT}) lacks the jit-key state the with-form "
+                          f"needs; the block runs untapped. Install a tested JAX ({_seam.TESTED_RANGE}).")
             return self.recorder
         self._thread = threading.get_ident()
         self._token = _REGISTRY.token_for(self._plan, self._thread)

@@ -29,12 +29,12 @@ class Tapped:
 
     def __init__(self, f: Callable, walker: Walker, consumers: Consumers, prims, observes: bool):
         # the wrapped callable's own attributes show through, except where
-        # they would shadow ours (Equinox's filter_jit has a `_signature`)
+        # they would shadow our methods (Equinox's filter_jit has a
+        # `_signature`); our instance attributes are assigned after the copy
         functools.update_wrapper(self, f, updated=())
-        mine = set(dir(type(self))) | {"_walker", "_consumers", "_prims", "_observes", "_cache", "_lock",
-                                       "_warned_names"}
+        methods = set(dir(type(self)))
         for key, value in getattr(f, "__dict__", {}).items():
-            if key not in mine and key not in self.__dict__:
+            if key not in methods and key not in self.__dict__:
                 self.__dict__[key] = value
         self.__wrapped__ = f
         self._walker = walker

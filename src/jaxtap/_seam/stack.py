@@ -215,6 +215,9 @@ def inside_loop_body_trace(is_loop=False) -> bool:
     return False
 
 
+_AUTODIFF_TRACES = tuple(t for t in (getattr(_ad, "JVPTrace", None), getattr(_ad, "LinearizeTrace", None)) if t)
+
+
 class _Differentiating(threading.local):
     value = None  # None: look at the trace chain; True / False: decided by the caller
 
@@ -247,10 +250,9 @@ def differentiating() -> bool:
     bound now is differentiated by JAX's rules as it is bound."""
     if _DIFFERENTIATING.value is not None:
         return _DIFFERENTIATING.value
-    autodiff = tuple(t for t in (getattr(_ad, "JVPTrace", None), getattr(_ad, "LinearizeTrace", None)) if t)
     trace, seen = _core.trace_ctx.trace, 0
     while trace is not None and seen < 1000:
-        if isinstance(trace, autodiff):
+        if isinstance(trace, _AUTODIFF_TRACES):
             return True
         trace, seen = getattr(trace, "parent_trace", None), seen + 1
     return False

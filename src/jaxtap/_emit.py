@@ -37,22 +37,27 @@ def _describe(leaves) -> str:
 
 
 def run_select(select, select_path, leaves, path, what="carry leaves"):
-    """Call the user's select on device values; explain failures clearly."""
+    """Call the user's select on device values; explain failures clearly.
+
+    ``leaves`` goes in as a tuple; with ``what=None`` it is one bare array
+    (a primitive tap's ``output=k``) and goes in as it is.
+    """
+    value = leaves if what is None else tuple(leaves)
     if select is None:
-        return tuple(leaves)
+        return value
     try:
         if select_path == "keyword":
-            return select(tuple(leaves), path=path)
+            return select(value, path=path)
         if select_path == "positional":
-            return select(tuple(leaves), path)
-        return select(tuple(leaves))
+            return select(value, path)
+        return select(value)
     except Exception as exc:  # noqa: BLE001 - re-raised with context
         raise TapSelectError(
             f"jax-tap: your `select` failed while tracing the tap at {path!r}: "
             f"{type(exc).__name__}: {exc}\n"
-            f"select receives a tuple of the {what} (they are traced JAX values, so "
-            "use jnp operations, not Python control flow on their values):\n"
-            f"{_describe(leaves)}"
+            f"select receives {'one array' if what is None else f'a tuple of the {what}'} (traced JAX "
+            "values, so use jnp operations, not Python control flow on their values):\n"
+            f"{_describe([leaves] if what is None else leaves)}"
         ) from None
 
 

@@ -76,8 +76,15 @@ def fmt_total(total: Optional[int]) -> str:
     return "?" if total is None else str(total)
 
 
+def at(event: TapEvent) -> str:
+    """``path step/total``; just ``path`` for a primitive outside any loop."""
+    if event.step == -1 and event.total is None:
+        return event.path
+    return f"{event.path} {event.step}/{fmt_total(event.total)}"
+
+
 def fail_line(event: TapEvent, message: str) -> str:
-    return f"[tap] FAIL {event.path} {event.step}/{fmt_total(event.total)}: {message}"
+    return f"[tap] FAIL {at(event)}: {message}"
 
 
 def _one_line(text: str) -> str:

@@ -137,6 +137,11 @@ class PrimTap:
     def fingerprint(self):
         return (self.prim, fingerprint(self.select), self.output, self.mode)
 
+    @functools.cached_property
+    def select_path(self):
+        """How ``select`` takes the address (as for carry selects), if at all."""
+        return select_wants_path(self.select) if self.select is not None else False
+
 
 @dataclass(eq=False)
 class Plan:

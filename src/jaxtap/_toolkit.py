@@ -12,7 +12,7 @@ import jax
 from . import _seam
 from ._transform import tappable_names
 from ._event import TapEvent
-from ._host import Alerter, _say, fmt_total, value_repr, warn_once_now
+from ._host import Alerter, _say, at, value_repr, warn_once_now
 from ._options import PrimTap
 
 
@@ -108,9 +108,10 @@ def print(prim_name: str, output: Optional[int] = None, select: Optional[Callabl
 class PrimConsumer:
     """Host side of one primitive tap for one receiver."""
 
-    def __init__(self, t: PrimTap, recorder=None):
+    def __init__(self, t: PrimTap, recorder=None, on_step=None):
         self.tap = t
         self.recorder = recorder
+        self.on_step = on_step  # a Guard: every event reaches on_step, by kind (0.3.1)
         self._printed: set = set()
         self._lock = threading.Lock()
         if t.mode in ("nan", "nan_birth"):
@@ -128,19 +129,26 @@ class PrimConsumer:
         with self._lock:
             self._printed.clear()
 
+    def _first(self, path) -> bool:
+        """False once a ``once`` print has shown this address (its events are still recorded)."""
+        if not self.tap.once:
+            return True
+        with self._lock:
+            if path in self._printed:
+                return False
+            self._printed.add(path)
+            return True
+
     def deliver(self, event: TapEvent, top=None) -> None:
         if self.alerter is not None:
             self.alerter(event)
-        elif self.tap.mode == "print":
-            if self.tap.once:
-                with self._lock:
-                    if event.path in self._printed:
-                        return
-                    self._printed.add(event.path)
+        elif self.tap.mode == "print" and self._first(event.path):
             prefix = f"{self.tap.label} " if self.tap.label else ""
-            _say(f"[tap] {prefix}{event.path} {event.step}/{fmt_total(event.total)}: {value_repr(event.value)}")
+            _say(f"[tap] {prefix}{at(event)}: {value_repr(event.value)}")
         if self.recorder is not None:
             self.recorder.append(event)
+        if self.on_step is not None:
+            self.on_step(event)
 
 
 def primitives(f: Callable, *args, **kwargs) -> dict:
@@ -172,6 +180,6 @@ def warn_unmatched(taps, names_seen) -> None:
         warn_once_now(f"jax-tap: tap name {t.prim!r} matched nothing{hint}")
 
 
-def prim_consumers(taps, recorder=None):
-    return [PrimConsumer(t, recorder) for t in taps]
+def prim_consumers(taps, recorder=None, on_step=None):
+    return [PrimConsumer(t, recorder, on_step) for t in taps]
 

@@ -253,15 +253,19 @@ class Walker:
         if not taps and not births:
             return
         path, top = scope.address(name, site)
-        step = scope.step if scope.step is not None else np.int32(0 if not scope.in_loop else -1)
+        # outside any loop there is no step (0.3.1: step -1, total None)
+        step = scope.step if scope.step is not None else np.int32(-1)
+        total = scope.total if scope.in_loop else None
         every = self.plan.sample_every if scope.step is not None else 1
         sampled = None if every == 1 else lax.eq(lax.rem(step, np.int32(every)), np.int32(0))
         metas, payloads = [], []
         for i, t in taps:
-            chosen = tuple(outs) if t.output is None else (_output(t, outs),)
-            meta = Meta(self.sinks.prims[i], path, top, scope.total, "primitive")
+            # all outputs as a tuple, or output k as a bare array (0.3.1)
+            chosen = tuple(outs) if t.output is None else _output(t, outs)
+            meta = Meta(self.sinks.prims[i], path, top, total, "primitive")
             if t.mode == "nan":  # a tripwire crosses to the host only when it trips
-                self._emit_when(lax.bitwise_not(finite_flag(chosen)), sampled, meta, step, scope)
+                flag = finite_flag(chosen if t.output is None else (chosen,))
+                self._emit_when(lax.bitwise_not(flag), sampled, meta, step, scope)
             elif scope.side is not None:  # buffered: the loop's driver ships it
                 scope.side.add(meta, _prim_payload(t, chosen, path)())
             else:
@@ -275,7 +279,7 @@ class Walker:
                  valid=valid, batched_hop=not scope.diff)
         for i, t in births:
             born = lax.bitwise_and(finite_flag(invals), lax.bitwise_not(finite_flag(outs)))
-            meta = Meta(self.sinks.prims[i], path, top, scope.total, "primitive")
+            meta = Meta(self.sinks.prims[i], path, top, total, "primitive")
             self._emit_when(born, sampled, meta, step, scope)
 
     def _emit_when(self, flag, sampled, meta, step, scope):
@@ -300,8 +304,9 @@ def _prim_payload(t: PrimTap, chosen, path):
         if t.mode == "nan":
             return np.bool_(False)  # only shipped when not finite
         if t.select is not None:
-            return run_select(t.select, False, chosen, path, what=f"outputs of {t.prim}")
-        return chosen[0] if len(chosen) == 1 else chosen
+            what = f"outputs of {t.prim}" if t.output is None else None
+            return run_select(t.select, t.select_path, chosen, path, what=what)
+        return chosen
 
     return payload
 

@@ -146,7 +146,7 @@ def configure(*, on_step=None, select=None, alert=None, alert_once=False, ops=("
     plan = build_plan(select=select, sample_every=sample_every, ops=ops, where=where, max_depth=max_depth,
                       taps=taps, emit_carry=with_form or consumers.observes, select_ys=select_ys,
                       emit_ys=emit_ys, flush_every=flush_every)
-    return plan, consumers, prim_consumers(plan.prim_taps, recorder)
+    return plan, consumers, prim_consumers(plan.prim_taps, recorder, consumers.on_step)
 
 
 def rebuild_guard(plan):

@@ -147,6 +147,16 @@ def test_progress_bars(script, tmp_path):
     assert re.search(r"while\[0\]: 7step", r.stderr), r.stderr
 
 
+def test_progress_bars_count_carries_only_beside_a_primitive_tap(script, tmp_path):
+    # primitive events reach on_step too (0.3.1); the bars filter by kind
+    pytest.importorskip("tqdm")
+    r = run_cli(tmp_path, "--progress", "--print", "log", script)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("[tap] scan[0]/log[0] ") == 20
+    assert re.search(r"scan\[0\]: 100%\|.*\| 20/20", r.stderr), r.stderr
+    assert not re.search(r"scan\[0\]/log\[0\]: ", r.stderr), r.stderr  # no bar for the primitive
+
+
 def test_sample_every_reduces_events(script, tmp_path):
     out = tmp_path / "f.jsonl"
     r = run_cli(tmp_path, "--sample-every", "10", "--jsonl", out, script)

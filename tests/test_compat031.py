@@ -150,3 +150,18 @@ def test_path_aware_select_with_output_k_gets_the_array_and_the_path():
 
     for events in _both_forms(chol_loop, jnp.float32(4.0), taps=[tap.on("cholesky", output=0, select=select)]):
         assert float(_prims(events)[0].value) == 4.0
+
+
+def test_blackjax_progress_bar_counts_steps_inside_a_block_with_a_primitive_tap():
+    blackjax = pytest.importorskip("blackjax")
+    steps, kinds = [], []
+    with tap.record(taps=[tap.on("cholesky")], on_step=lambda e: kinds.append(e.kind)) as rec:
+        with blackjax.progress_bar(label="t") as state:
+            real = state._step_callback
+            state._step_callback = lambda idx: (steps.append(int(idx)), real(idx))
+            out = sync(chol_loop(jnp.float32(2.0)))
+        assert kinds == []  # the innermost block (the bar) owns what runs inside it
+        sync(chol_loop(jnp.float32(2.0)))
+    assert_bits(out, chol_loop(jnp.float32(2.0)))
+    assert steps == [0, 1, 2] and state.n_steps == 3  # the bar counts carries only
+    assert sorted(kinds) == ["carry"] * 3 + ["primitive"] * 3 and len(rec.events) == 6

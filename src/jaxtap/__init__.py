@@ -5,10 +5,11 @@
 from jax.lax import scan as original_scan
 from jax.lax import while_loop as original_while_loop
 
-from ._collectors import FlightRecorder, JSONLWriter, read_jsonl
+from ._collectors import FlightRecorder
 from ._emit import TapSelectError
 from ._event import TapEvent
 from ._host import TapWarning
+from ._jsonl import JSONLWriter, iter_jsonl, read_jsonl, read_jsonl_columns
 from ._record import TapContext, emergency_restore, record
 from ._toolkit import on, primitives, print, watch_nan  # noqa: A004
 from ._verbose import verbose
@@ -23,12 +24,14 @@ __all__ = [
     "TapWarning",
     "__version__",
     "emergency_restore",
+    "iter_jsonl",
     "on",
     "original_scan",
     "original_while_loop",
     "primitives",
     "print",
     "read_jsonl",
+    "read_jsonl_columns",
     "record",
     "verbose",
     "watch_nan",

@@ -1,0 +1,421 @@
+"""JSON-lines telemetry files: the writer, and a crash-safe streaming reader.
+
+A file is one JSON object per event, written and flushed one whole line at a
+time, so a crashed run leaves every event it streamed plus at most one cut
+line at the end. The reader keeps every complete event, drops a cut final
+line with one warning, and names the file and line of anything else it
+cannot read. Values are checked against their declared shape before
+anything is allocated. Files written by jax-tap 0.3.1 (``value_kind`` /
+``value``) read back too.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import warnings
+from typing import Any, Dict, Iterator, List
+
+import numpy as np
+
+from ._collectors import _flatten_value
+from ._event import TapEvent
+from ._host import TapWarning, warn_once_now
+
+_ERRORS = ("raise", "skip")
+
+
+# ------------------------------------------------------------------ encoding
+def _encode(value) -> Any:
+    if isinstance(value, np.ndarray) or isinstance(value, np.generic):
+        arr = np.asarray(value)
+        if arr.dtype.kind == "c":
+            data = {"re": _encode_floats(arr.real), "im": _encode_floats(arr.imag)}
+        elif arr.dtype.kind == "V" and arr.dtype.itemsize in (1, 2, 4, 8):
+            # ml_dtypes (bfloat16, float8_*): keep the exact bits
+            data = {"bits": arr.view(f"uint{8 * arr.dtype.itemsize}").tolist()}
+        elif arr.dtype.kind in "VO":
+            data = repr(arr)
+        elif arr.dtype.kind == "f":
+            data = _encode_floats(arr)
+        else:
+            data = arr.tolist()
+        return {"__nd__": data, "dtype": str(arr.dtype), "shape": list(arr.shape), "scalar": isinstance(value, np.generic)}
+    if isinstance(value, dict):
+        return {"__dict__": [[_encode(k), _encode(v)] for k, v in value.items()]}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    if isinstance(value, float) and not np.isfinite(value):
+        return {"__float__": repr(value)}
+    return value
+
+
+def _encode_floats(arr):
+    """Floats as JSON numbers, with NaN/Inf spelled out (JSON has no literal)."""
+    flat = [v if np.isfinite(v) else {"__float__": repr(float(v))} for v in arr.ravel().tolist()]
+    return np.array(flat, dtype=object).reshape(arr.shape).tolist() if arr.ndim else flat[0]
+
+
+def _flat_columns(value) -> dict:
+    row: dict = {}
+    _flatten_value(value, "value", row, top=True)
+    return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in row.items()}
+
+
+class JSONLWriter:
+    """Streams events to a JSON-lines file, one object per event, flushed per line.
+
+    Callable as an ``on_step``; a context manager; ``.close()`` when done.
+    Each line holds ``path``, ``step``, ``total``, ``kind``, ``value`` (exact,
+    with dtypes and shapes, for :func:`read_jsonl`) and flat ``value``
+    columns for ``pandas.read_json(path, lines=True)``. An unwritable path or
+    a full disk warns once and stops the writer (the file keeps every line
+    written before); the program is never disturbed.
+
+    Examples
+    --------
+    >>> import os, tempfile, jax, jax.numpy as jnp, jaxtap as tap
+    >>> path = os.path.join(tempfile.mkdtemp(), "run.jsonl")
+    >>> with tap.JSONLWriter(path) as out:
+    ...     g = tap.verbose(lambda x: jax.lax.scan(lambda c, _: (c * 2.0, None), x, None, length=2),
+    ...                     on_step=out, select=lambda leaves: leaves[0])
+    ...     _ = jax.block_until_ready(g(jnp.float32(1.0)))
+    >>> [float(e.value) for e in tap.read_jsonl(path)]
+    [2.0, 4.0]
+    """
+
+    def __init__(self, path):
+        self.path = path
+        self._lock = threading.Lock()
+        self._failed = False
+        self._fh = None
+        try:
+            self._fh = open(path, "a", encoding="utf-8")
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+
+    def _fail(self, exc) -> None:
+        # stop at the first failure: a later write that succeeds after a cut
+        # line would bury the cut in the middle of the file
+        fh, self._fh = self._fh, None
+        if fh is not None:
+            try:
+                fh.close()
+            except Exception:  # noqa: BLE001
+                pass
+        if not self._failed:
+            self._failed = True
+            warn_once_now(f"jax-tap: JSONLWriter cannot write {self.path!r} ({exc}); "
+                          "the file keeps the events written so far, later events are dropped.")
+
+    def __call__(self, event: TapEvent) -> None:
+        if self._fh is None:
+            return
+        try:
+            record = {"path": event.path, "step": event.step, "total": event.total, "kind": event.kind}
+            record.update({k: v for k, v in _flat_columns(event.value).items() if k not in record})
+            record["__value__"] = _encode(event.value)
+            line = json.dumps(record, default=repr, allow_nan=True) + "\n"
+            with self._lock:
+                if self._fh is not None:
+                    self._fh.write(line)
+                    self._fh.flush()
+        except Exception as exc:  # noqa: BLE001 - full disk, closed file, ...
+            with self._lock:
+                self._fail(exc)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fh is not None:
+                try:
+                    self._fh.close()
+                except Exception:  # noqa: BLE001
+                    pass
+                self._fh = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+# ------------------------------------------------------------------ decoding
+class _Bad(Exception):
+    """What is wrong with one line (the reader adds file and line)."""
+
+
+def _floats(data):
+    if isinstance(data, list):
+        return [_floats(v) for v in data]
+    if isinstance(data, dict):
+        try:
+            return float(data["__float__"])
+        except (KeyError, TypeError, ValueError):
+            raise _Bad(f"a float entry {data!r} is not {{'__float__': 'nan' | 'inf' | '-inf'}}") from None
+    return data
+
+
+def _count(data, shape) -> None:
+    """Check that nested lists ``data`` have exactly ``shape`` (no allocation)."""
+    if not shape:
+        if isinstance(data, list):
+            raise _Bad("the value has more nesting than its shape says")
+        return
+    if not isinstance(data, list) or len(data) != shape[0]:
+        got = len(data) if isinstance(data, list) else "a scalar"
+        raise _Bad(f"the value does not match its shape {list(shape)}: {got} entries where {shape[0]} belong")
+    for item in data:
+        _count(item, shape[1:])
+
+
+def _array(obj) -> Any:
+    try:
+        dtype = np.dtype(obj["dtype"])
+    except KeyError:
+        raise _Bad("an array value has no dtype") from None
+    except TypeError:
+        raise _Bad(f"unknown dtype {obj['dtype']!r}") from None
+    shape = obj.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise _Bad(f"an array shape must be a list of non-negative ints, got {shape!r}")
+    data = obj["__nd__"]
+    if isinstance(data, dict) and "bits" in data:
+        if dtype.itemsize not in (1, 2, 4, 8):
+            raise _Bad(f"a bit-exact value needs a 1, 2, 4 or 8 byte dtype, not {dtype}")
+        _count(data["bits"], shape)
+        arr = np.asarray(data["bits"], dtype=f"uint{8 * dtype.itemsize}").view(dtype)
+    elif dtype.kind == "c":
+        if not isinstance(data, dict) or "re" not in data or "im" not in data:
+            raise _Bad("a complex value needs 're' and 'im' parts")
+        _count(data["re"], shape)
+        _count(data["im"], shape)
+        arr = np.empty(shape, dtype)
+        arr.real = np.asarray(_floats(data["re"]))
+        arr.imag = np.asarray(_floats(data["im"]))
+    elif dtype.kind in "VO":
+        return data  # written as a repr: kept as text
+    else:
+        _count(data, shape)
+        try:
+            arr = np.asarray(_floats(data), dtype=dtype)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise _Bad(f"the value is not {dtype}: {exc}") from None
+    arr = arr.reshape(shape)
+    return arr[()] if obj.get("scalar") else arr
+
+
+def _decode(obj) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v) for v in obj]
+    if isinstance(obj, dict):
+        if "__nd__" in obj:
+            return _array(obj)
+        if "__dict__" in obj:
+            return {_hashable(_decode(k)): _decode(v) for k, v in _pairs(obj["__dict__"])}
+        if "__tuple__" in obj:
+            items = obj["__tuple__"]
+            if not isinstance(items, list):
+                raise _Bad("a tuple value must be a list")
+            return tuple(_decode(v) for v in items)
+        if "__float__" in obj:
+            return _floats(obj)
+        return {k: _decode(v) for k, v in obj.items()}
+    return obj
+
+
+def _pairs(items):
+    if not isinstance(items, list) or not all(isinstance(p, list) and len(p) == 2 for p in items):
+        raise _Bad("a dict value must be a list of [key, value] pairs")
+    return items
+
+
+def _hashable(key):
+    try:
+        hash(key)
+    except TypeError:
+        raise _Bad(f"a dict key {key!r} is not hashable") from None
+    return key
+
+
+# jax-tap 0.3.1 lines: {"path", "step", "value_kind", "value", "kind", ...}
+def _value_031(kind, value) -> Any:
+    kind = str(kind).lower()
+    if value is None or kind in ("none", "null"):
+        return None
+    if kind in ("tuple", "list"):
+        items = [_plain_031(v) for v in (value if isinstance(value, list) else [value])]
+        return tuple(items) if kind == "tuple" else items
+    if kind == "dict" and isinstance(value, dict):
+        return {k: _plain_031(v) for k, v in value.items()}
+    if kind in ("str", "string", "repr", "text"):
+        return str(value)
+    return _plain_031(value)
+
+
+def _plain_031(value) -> Any:
+    """Numbers and nested number lists as numpy; anything else as it is."""
+    if isinstance(value, bool) or isinstance(value, (int, float)):
+        return np.asarray(value)[()]
+    if isinstance(value, list):
+        try:
+            arr = np.asarray(value)
+        except ValueError:  # ragged
+            return [_plain_031(v) for v in value]
+        return arr if arr.dtype.kind in "biuf" else [_plain_031(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain_031(v) for k, v in value.items()}
+    return value
+
+
+def _event(rec) -> TapEvent:
+    """One parsed line as a TapEvent, in either format."""
+    if not isinstance(rec, dict):
+        raise _Bad(f"expected a JSON object, got {type(rec).__name__}")
+    if "__value__" in rec:
+        value = _decode(rec["__value__"])
+    elif "value_kind" in rec and "value" in rec:
+        value = _value_031(rec["value_kind"], rec["value"])
+    else:
+        raise _Bad("unknown format: a jax-tap line holds 'path', 'step' and '__value__' (jax-tap 0.4) or "
+                   f"'value_kind' and 'value' (jax-tap 0.3.1); this one has {sorted(rec)[:8]}")
+    path, step, total, kind = rec.get("path"), rec.get("step"), rec.get("total"), rec.get("kind", "carry")
+    if not isinstance(path, str):
+        raise _Bad(f"'path' must be a string, got {path!r}")
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise _Bad(f"'step' must be an int, got {step!r}")
+    if total is not None and (not isinstance(total, int) or isinstance(total, bool)):
+        raise _Bad(f"'total' must be an int or null, got {total!r}")
+    if kind not in ("carry", "output", "primitive"):
+        raise _Bad(f"'kind' must be 'carry', 'output' or 'primitive', got {kind!r}")
+    return TapEvent(path, step, value, total, kind)
+
+
+# ------------------------------------------------------------------ reading
+def _check_errors(errors):
+    if errors not in _ERRORS:
+        raise ValueError(f"jax-tap: errors= must be 'raise' or 'skip', got {errors!r}")
+
+
+def iter_jsonl(path, *, errors: str = "raise") -> Iterator[TapEvent]:
+    """Stream the events of a JSONL telemetry file, one at a time.
+
+    Memory stays constant however long the file. A final line cut
+    mid-write (a crashed or killed run) is dropped with one warning naming
+    the file and line; every complete event before it is returned. Any other
+    unreadable line raises ``ValueError`` naming the file, the line and what
+    is wrong, or, with ``errors="skip"``, is skipped (one warning at the end
+    with the count and the first bad line). Reads files written by
+    :class:`JSONLWriter` and by jax-tap 0.3.1.
+
+    Examples
+    --------
+    >>> import os, tempfile, jaxtap as tap
+    >>> path = os.path.join(tempfile.mkdtemp(), "run.jsonl")
+    >>> with tap.JSONLWriter(path) as out:
+    ...     out(tap.TapEvent("scan[0]", 0, 1.5, 2))
+    >>> [(e.path, e.step, e.value) for e in tap.iter_jsonl(path)]
+    [('scan[0]', 0, 1.5)]
+    """
+    _check_errors(errors)
+    bad, first_bad = 0, None
+    with open(path, "rb") as fh:
+        lineno, pending = 0, None  # pending: (lineno, raw) of the line before, parsed lazily
+        for raw in fh:
+            lineno += 1
+            if pending is not None:
+                event, why = _parse(pending[1])
+                if why is None:
+                    yield event
+                elif errors == "raise":
+                    raise ValueError(f"jax-tap: {path}, line {pending[0]}: {why}")
+                else:
+                    bad, first_bad = bad + 1, first_bad or (pending[0], why)
+            pending = (lineno, raw) if raw.strip() else None
+        if pending is not None:
+            event, why = _parse(pending[1])
+            if why is None:
+                yield event
+            elif not pending[1].endswith(b"\n"):
+                _warn(f"jax-tap: {path}: the last line ({pending[0]}) was cut mid-write (a crashed run?) "
+                      f"and is dropped; the {pending[0] - 1} lines before it are kept.")
+            elif errors == "raise":
+                raise ValueError(f"jax-tap: {path}, line {pending[0]}: {why}")
+            else:
+                bad, first_bad = bad + 1, first_bad or (pending[0], why)
+    if bad:
+        _warn(f"jax-tap: {path}: skipped {bad} unreadable line{'s' if bad > 1 else ''}; "
+              f"the first is line {first_bad[0]}: {first_bad[1]}")
+
+
+def _parse(raw: bytes):
+    """(event, None), or (None, what is wrong)."""
+    try:
+        rec = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        return None, f"not UTF-8 text ({exc.reason} at byte {exc.start})"
+    except json.JSONDecodeError as exc:
+        return None, f"not valid JSON ({exc.msg}, column {exc.colno})"
+    except RecursionError:
+        return None, "nested too deeply"
+    try:
+        return _event(rec), None
+    except _Bad as exc:
+        return None, str(exc)
+    except RecursionError:
+        return None, "nested too deeply"
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
+        return None, f"unreadable value ({type(exc).__name__}: {exc})"
+
+
+def _warn(message):
+    try:
+        warnings.warn(message, TapWarning, stacklevel=3)
+    except Exception:  # noqa: BLE001 - -W error: say it on stderr, keep the events
+        warn_once_now(message)
+
+
+def read_jsonl(path, *, errors: str = "raise") -> List[TapEvent]:
+    """Read a JSONL telemetry file into a list of TapEvents.
+
+    The same rules as :func:`iter_jsonl` (which streams instead): a cut
+    final line is dropped with a warning; other bad lines raise
+    ``ValueError`` naming file and line, or are skipped with
+    ``errors="skip"``.
+    """
+    return list(iter_jsonl(path, errors=errors))
+
+
+def read_jsonl_columns(path, *, errors: str = "raise") -> Dict[str, np.ndarray]:
+    """Stream a JSONL file straight into column arrays (no event objects kept).
+
+    Columns ``path``, ``step``, ``total``, ``kind`` and the flattened value
+    columns of :meth:`FlightRecorder.df` (``value``, ``value_0``, ...; a
+    row without a column holds ``None``). ``pandas.DataFrame(columns)`` is
+    the table.
+    """
+    cols: Dict[str, list] = {"path": [], "step": [], "total": [], "kind": []}
+    n = 0
+    for e in iter_jsonl(path, errors=errors):
+        row: dict = {}
+        _flatten_value(e.value, "value", row, top=True)
+        for key, v in (("path", e.path), ("step", e.step), ("total", e.total), ("kind", e.kind), *row.items()):
+            col = cols.get(key)
+            if col is None:
+                col = cols[key] = [None] * n
+            col.append(v)
+        n += 1
+        for col in cols.values():
+            if len(col) < n:
+                col.append(None)
+    return {k: _column(v) for k, v in cols.items()}
+
+
+def _column(values):
+    if values and all(isinstance(v, (int, float, np.number, bool, np.bool_)) for v in values):
+        return np.asarray(values)
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out

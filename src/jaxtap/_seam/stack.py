@@ -62,9 +62,9 @@ def site_of_traceback(tb, name_stack):
     if frame is None:
         return None
     backward = "transpose" in str(name_stack)
-    site = (frame.file_name, frame.start_line, getattr(frame, "start_column", 0), backward)
-    library = _library_caller(tb)
-    return site if library is None else site + (library,)
+    code, lasti = tb.raw_frames()
+    return (frame.file_name, frame.start_line, getattr(frame, "start_column", 0), backward,
+            _library_caller(code, lasti), _direct_caller(code, lasti))
 
 
 # JAX's loop APIs and call plumbing: frames between a loop's bind and the code
@@ -74,11 +74,10 @@ _PLUMBING = tuple(os.path.join("jax", "_src", p) for p in (
     "core.py", "api.py", "pjit.py", "profiler.py", "source_info_util.py", os.path.join("interpreters", "")))
 
 
-def _library_caller(tb):
+def _library_caller(code, lasti):
     """(file, line) of library code (e.g. ``jax.scipy``) that called the loop
     API on the user's behalf, or None when the user called it directly: two
     loops one library call runs get two addresses."""
-    code, lasti = tb.raw_frames()
     for c, i in zip(code, lasti):
         name = c.co_filename
         if _source_info.is_user_filename(name):
@@ -90,12 +89,27 @@ def _library_caller(tb):
     return None
 
 
+def _direct_caller(code, lasti):
+    """(file, line) of the user line that called the loop's function directly
+    (no JAX frame between), or None: a helper's loop called from two lines of
+    yours gets two addresses, while calls through ``jax.jit`` or
+    ``tap.verbose`` (JAX frames between) keep one."""
+    user = _source_info.is_user_filename
+    for k, c in enumerate(code):
+        if user(c.co_filename):
+            if k + 1 < len(code) and user(code[k + 1].co_filename):
+                frame = _source_info.raw_frame_to_frame(code[k + 1], lasti[k + 1])
+                return (frame.file_name, frame.start_line)
+            return None
+    return None
+
+
 def site_of_eqn(eqn):
     site = site_of_traceback(eqn.source_info.traceback, eqn.source_info.name_stack)
     if site is None:  # JAX keeps only the frames inside the innermost trace
         tb = eqn.source_info.traceback
         site = ("<no user frame>", str(eqn.source_info.name_stack), eqn.primitive.name,
-                None if tb is None else _library_caller(tb))
+                None if tb is None else _library_caller(*tb.raw_frames()))
     return site
 
 
@@ -119,8 +133,10 @@ def current_site():
                 col = positions[2] or 0
             except Exception:  # noqa: BLE001
                 pass
-            site = (name, frame.f_lineno, col, "transpose" in str(name_stack))
-            return site if library is None else site + (library,)
+            up = frame.f_back
+            caller = (up.f_code.co_filename, up.f_lineno) \
+                if up is not None and _source_info.is_user_filename(up.f_code.co_filename) else None
+            return (name, frame.f_lineno, col, "transpose" in str(name_stack), library, caller)
         if library is None and not name.startswith(_HERE) and not any(p in name for p in _PLUMBING):
             library = (name, frame.f_lineno)  # library code that asked for this loop
         frame = frame.f_back

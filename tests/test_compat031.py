@@ -165,3 +165,31 @@ def test_blackjax_progress_bar_counts_steps_inside_a_block_with_a_primitive_tap(
     assert_bits(out, chol_loop(jnp.float32(2.0)))
     assert steps == [0, 1, 2] and state.n_steps == 3  # the bar counts carries only
     assert sorted(kinds) == ["carry"] * 3 + ["primitive"] * 3 and len(rec.events) == 6
+
+
+# ------------------------------------------- addresses: a helper called from two lines
+def _helper(x):
+    return jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=2)[0]
+
+
+def _model(x):
+    a = _helper(x)
+    return _helper(a * 10.0)
+
+
+def test_a_helper_called_from_two_lines_gets_two_addresses_in_both_forms():
+    for events in _both_forms(_model, jnp.float32(0.0)):
+        assert [(e.path, e.step, float(e.value[0])) for e in events] == [
+            ("scan[0]", 0, 1.0), ("scan[0]", 1, 2.0), ("scan[1]", 0, 21.0), ("scan[1]", 1, 22.0)]
+    # where= can now pick one of them
+    for events in _both_forms(_model, jnp.float32(0.0), where=lambda path: path == "scan[1]"):
+        assert {e.path for e in events} == {"scan[1]"} and len(events) == 2
+
+
+def test_a_jitted_function_keeps_its_address_whichever_line_calls_it():
+    f = jax.jit(_model)
+    with tap.record() as rec:
+        sync(f(jnp.float32(0.0)))
+        sync(f(jnp.float32(1.0)))  # another line, the cached compilation
+        sync(f(jnp.ones(2)))  # another line and a retrace
+    assert [e.path for e in rec.events] == ["scan[0]", "scan[0]", "scan[1]", "scan[1]"] * 3

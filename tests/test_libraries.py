@@ -34,6 +34,11 @@ def _lineax_cg():
     return solve, (jnp.eye(4) * 2.0 + 0.1, jnp.ones(4))
 
 
+def _lineax_cg_grad():
+    solve, (A, b) = _lineax_cg()
+    return jax.grad(lambda A, b: solve(A, b).sum()), (A, b)
+
+
 def _optimistix_newton():
     import optimistix as optx
 
@@ -107,13 +112,13 @@ def _flax_linen_sgd():
     return jax.jit(fit), (params, jnp.ones((4, 2)))
 
 
-_GAP_PRIMITIVE = "loops inside Equinox custom primitives are not tapped (README: Known boundaries)"
 _GAP_ADDRESS = "library loops excluded from JAX tracebacks share a with-form address (README: Known boundaries)"
 _GAP_INIT = ("tap.verbose traces f: numpyro's eager-only early exit is not taken, so it reports an "
              "initialization loop the program never runs (README: Known boundaries)")
 WORKLOADS = {
     "equinox_filter_jit": (_eqx_filter_jit, None),
-    "lineax_cg": (_lineax_cg, _GAP_PRIMITIVE),
+    "lineax_cg": (_lineax_cg, None),
+    "lineax_cg_grad": (_lineax_cg_grad, None),
     "optimistix_newton": (_optimistix_newton, None),
     "diffrax_tsit5": (_diffrax_tsit5, _GAP_ADDRESS),
     "optax_adam": (_optax_adam, None),
@@ -152,3 +157,35 @@ def test_library_workload_in_both_forms(name):
     paths_w = collections.Counter(e.path for e in rec.events)
     assert paths_v == paths_w, f"addresses differ: verbose {dict(paths_v)} vs with-form {dict(paths_w)}"
     assert _stream(seen) == _stream(rec.events), "the two forms deliver different event streams"
+
+
+def test_lineax_solve_loop_is_tapped_and_a_cached_trace_still_differentiates():
+    # the CG loop lives inside lineax's custom primitive (it exists only when
+    # lowered); a jit traced without autodiff is later differentiated from
+    # its cache, through the primitive's own derivative rules
+    solve, (A, b) = _lineax_cg()
+    jf = jax.jit(solve)
+    loss = lambda A: jf(A, b).sum()  # noqa: E731
+    ref_x, ref_g = sync(solve(A, b)), sync(jax.grad(lambda A: solve(A, b).sum())(A))
+    with tap.record(select=lambda leaves: ()) as rec:
+        x = sync(jf(A, b))
+        g = sync(jax.grad(loss)(A))
+    assert_bits(x, ref_x)
+    assert_bits(g, ref_g)
+    steps = [(e.path, e.step) for e in rec.events]
+    assert steps[:2] == [("while[0]", 0), ("while[0]", 1)] and len(steps) >= 4
+    assert "linear_solve" in tap.primitives(solve, A, b) and "while" in tap.primitives(solve, A, b)
+
+
+def test_lineax_solve_under_vmap_reports_each_lane_in_both_forms():
+    solve, (A, b) = _lineax_cg()
+    B = jnp.stack([b, 2.0 * b, -b])
+    ref = sync(jax.vmap(solve, in_axes=(None, 0))(A, B))
+    seen = []
+    got_v = sync(jax.vmap(tap.verbose(solve, on_step=seen.append), in_axes=(None, 0))(A, B))
+    with tap.record() as rec:
+        got_w = sync(jax.vmap(solve, in_axes=(None, 0))(A, B))
+    assert_bits(got_v, ref)
+    assert_bits(got_w, ref)
+    assert sorted((e.path, e.step) for e in seen) == sorted((e.path, e.step) for e in rec.events)
+    assert len(rec.events) == 6 and {e.path for e in rec.events} == {"while[0]"}

@@ -29,7 +29,7 @@ from ._emit import TapSelectError
 from ._host import warn_once_now
 from ._toolkit import warn_unmatched
 from ._loops import handle_scan, handle_while
-from ._transform import SiteIndex, Sinks, Walker, tappable_names
+from ._transform import SiteIndex, Sinks, Walker, handler_for, tappable_names
 from ._verbose import configure, make_tapped, rebuild_guard
 
 _HANDLERS = {_seam.scan_p: handle_scan, _seam.while_p: handle_while}
@@ -249,6 +249,7 @@ def _sync_patches():
     taps by name, exactly while they are needed."""
     wanted = set(_HANDLERS) if _REGISTRY.n_active else set()
     if _REGISTRY.n_active:
+        wanted.update(_seam.impl_primitives())  # library primitives holding loops (lineax)
         for ctx in _REGISTRY.active():
             for t in ctx._plan.prim_taps:
                 prim = _seam.primitive_named(t.prim) if t.prim else None
@@ -275,19 +276,25 @@ def _uninstall_all():
 
 def _make_bind(prim):
     handler = _HANDLERS.get(prim)
+    expands = handler is None and _seam.impl_of(prim) is not None
 
     def bind(*args, **params):
         if _seam.BUSY.depth or not _REGISTRY.n_active:
             return _seam.bind_original(prim, args, params)
         ctx = _REGISTRY.top(threading.get_ident()) or _REGISTRY.sole()
         try:
-            nested = ctx is None or _seam.inside_loop_body_trace(is_loop=handler is not None)
+            if expands:
+                nested = ctx is None or _seam.impl_bind_is_nested()
+            else:
+                nested = ctx is None or _seam.inside_loop_body_trace(is_loop=handler is not None)
         except Exception as exc:  # noqa: BLE001 - a JAX whose traces the seam cannot read
             warn_once_now(f"jax-tap: cannot read this JAX's trace state ({type(exc).__name__}: {exc}); "
                           f"the {prim.name} runs untapped.")
             nested = True
         if nested:
             return _seam.bind_original(prim, args, params)
+        if expands:
+            return _intercept_expanding(prim, ctx, args, params)
         if handler is None:
             return _tap_primitive(prim, ctx, args, params)
         return _intercept(prim, handler, ctx, args, params)
@@ -338,6 +345,31 @@ def _intercept(prim, handler, ctx, args, params):
             except Exception:
                 raise exc from None  # the program itself fails the same way
             warn_once_now(f"jax-tap: could not tap a {prim.name} loop ({type(exc).__name__}: {exc}); it ran untapped.")
+            return out
+
+
+def _intercept_expanding(prim, ctx, args, params):
+    """A library primitive whose loops exist only in its lowering (lineax's
+    ``linear_solve``), bound outside any loop: tap its expansion."""
+    walker = ctx._token.walker
+    with _seam.quiet():
+        try:
+            avals = [_seam.abstractify(x) for x in args]
+            expanded = _seam.impl_expansion(prim, params, avals)
+            if expanded is None or not walker.needs(expanded.jaxpr):
+                return _seam.bind_original(prim, args, params)
+            ctx._names_seen.update(tappable_names(expanded.jaxpr))
+            for name, site in _seam.top_loops(expanded.jaxpr):
+                ctx._sites.index(name, site)  # program order, as for a loop bound here
+            return handler_for(prim)(walker, None, params, list(args), walker.top_scope(), _seam.current_site())
+        except TapSelectError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - our failure must not be the user's
+            try:
+                out = _seam.bind_original(prim, args, params)
+            except Exception:
+                raise exc from None
+            warn_once_now(f"jax-tap: could not tap inside {prim.name} ({type(exc).__name__}: {exc}); it ran untapped.")
             return out
 
 

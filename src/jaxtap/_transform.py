@@ -188,8 +188,8 @@ class Walker:
                 result = True
             elif name in (_seam.SCAN, _seam.WHILE) and self.plan.emits_loops:
                 result = True
-            elif name in HANDLERS:
-                result = any(self.needs(sub) for sub in _seam.subjaxprs_of(eqn.params))
+            elif name in HANDLERS or _seam.impl_of(eqn.primitive) is not None:
+                result = any(self.needs(sub) for sub in _seam.subjaxprs_of(eqn.params, eqn))
             if result:
                 break
         self._needs[key] = (jaxpr, result)
@@ -198,7 +198,7 @@ class Walker:
     def eqn_needs(self, eqn) -> bool:
         if eqn.primitive.name in (_seam.SCAN, _seam.WHILE) and self.plan.emits_loops:
             return True
-        return any(self.needs(sub) for sub in _seam.subjaxprs_of(eqn.params))
+        return any(self.needs(sub) for sub in _seam.subjaxprs_of(eqn.params, eqn))
 
     # -------------------------------------------------------------- rewriting
     def rewrite_closed(self, closed, scope_fn, extra_avals=()):
@@ -327,7 +327,7 @@ def interpret(walker: Walker, jaxpr, consts, args, scope: Scope):
         ours = _seam.staged_by_us(eqn)
         if ours == "tap" and not eqn.outvars:
             continue  # a stale emission from a cached, already-tapped trace
-        handler = HANDLERS.get(eqn.primitive.name)
+        handler = handler_for(eqn.primitive)
         if ours == "loop":
             outs = _seam.eval_eqn(eqn, invals)  # tapped already: never tap twice
         elif handler is not None and walker.eqn_needs(eqn):
@@ -494,22 +494,36 @@ def _handle_call(prim):
     return handle
 
 
-def handle_hi(walker, eqn, params, invals, scope, site):
-    """A hijax primitive (a library operation that expands into equations,
-    loops included, only when lowered): its expansion is interpreted, as
-    transparent as a call; derivatives stay the primitive's own rules."""
-    expanded = _seam.hi_expansion(params)
+def _expanded(walker, eqn, prim, params, invals, scope, expanded):
+    """A primitive that expands into equations (loops included) only when
+    lowered: its expansion is interpreted, as transparent as a call, while
+    derivatives (and batching) stay the primitive's own rules."""
     if expanded is None or scope.side is not None:  # (buffered steps: its taps stay silent)
-        return _bind(eqn, _seam.hi_call_p, invals, params)
+        return _bind(eqn, prim, invals, params)
     inner = scope.child(scope.prefix, scope.counter, None, scope.total, scope.top, in_loop=scope.in_loop)
 
     def tapped(*args):
         return interpret(walker, expanded.jaxpr, expanded.consts, list(args), inner)
 
     def plain(*args):
-        return _bind(eqn, _seam.hi_call_p, list(args), params)
+        return _bind(eqn, prim, list(args), params)
 
     return _seam.observed(tapped, plain, list(invals))
+
+
+def handle_hi(walker, eqn, params, invals, scope, site):
+    """A hijax primitive (JAX >= 0.11): its ``expand`` stages the equations."""
+    return _expanded(walker, eqn, _seam.hi_call_p, params, invals, scope, _seam.hi_expansion(params))
+
+
+def _handle_impl(prim):
+    def handle(walker, eqn, params, invals, scope, site):
+        """A library primitive lowered by tracing its implementation (Equinox's
+        ``create_vprim``: lineax's ``linear_solve``)."""
+        avals = [v.aval for v in eqn.invars] if eqn is not None else [_seam.abstractify(x) for x in invals]
+        return _expanded(walker, eqn, prim, params, invals, scope, _seam.impl_expansion(prim, params, avals, eqn))
+
+    return handle
 
 
 HANDLERS = {  # the loop handlers join from _loops (imported at the end)
@@ -522,6 +536,14 @@ HANDLERS = {  # the loop handlers join from _loops (imported at the end)
 }
 if _seam.HI_CALL is not None:
     HANDLERS[_seam.HI_CALL] = handle_hi
+
+
+def handler_for(prim):
+    """The rule for an equation of ``prim``, or None (re-emitted unchanged)."""
+    handler = HANDLERS.get(prim.name)
+    if handler is None and _seam.impl_of(prim) is not None:
+        handler = _handle_impl(prim)
+    return handler
 
 
 def tappable_names(jaxpr) -> dict:

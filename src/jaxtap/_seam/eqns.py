@@ -7,6 +7,8 @@ branches on the JAX version.
 """
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.extend as jex
 
@@ -53,6 +55,9 @@ __all__ = [
     "call_body",
     "call_with_body",
     "subjaxprs_of",
+    "impl_of",
+    "impl_primitives",
+    "top_loops",
     "scan_reverse",
     "TAP_SCOPE",
     "LOOP_SCOPE",
@@ -227,9 +232,10 @@ def call_with_body(params, body):
     return p
 
 
-def subjaxprs_of(params) -> list:
+def subjaxprs_of(params, eqn=None) -> list:
     """Every jaxpr held in an equation's params (for discovery walks),
-    including the expansion of a hijax primitive."""
+    including the expansion of a hijax primitive and, given the equation,
+    of a library primitive that lowers by tracing its implementation."""
     def opened(x):
         return x.jaxpr if isinstance(x, ClosedJaxpr) else x
 
@@ -244,7 +250,49 @@ def subjaxprs_of(params) -> list:
         expanded = hi_expansion(params)
         if expanded is not None:
             out.append(expanded.jaxpr)
+    if eqn is not None and impl_of(eqn.primitive) is not None:
+        from .staging import impl_expansion
+        expanded = impl_expansion(eqn.primitive, params, [v.aval for v in eqn.invars], eqn)
+        if expanded is not None:
+            out.append(expanded.jaxpr)
     return out
+
+
+# Library primitives whose lowering traces a Python implementation, so their
+# loops exist only when the program is lowered: Equinox's ``create_vprim``
+# (lineax's ``linear_solve``). The walker expands them; their derivative and
+# batching rules stay theirs.
+_EQX_PRIMITIVE = "equinox.internal._primitive"
+
+
+def _impl_registry() -> dict:
+    module = sys.modules.get(_EQX_PRIMITIVE)  # never imported by us: only if the user has
+    registry = getattr(module, "_vprim_impl_registry", None)
+    return registry if isinstance(registry, dict) else {}
+
+
+def impl_of(prim):
+    """The implementation such a primitive lowers to, or None."""
+    try:
+        return _impl_registry().get(prim)
+    except TypeError:  # an unhashable primitive
+        return None
+
+
+def impl_primitives() -> list:
+    return list(_impl_registry())
+
+
+def top_loops(jaxpr):
+    """(name, site) of each loop reachable without entering a loop body, in
+    program order (through jits, branches and other calls)."""
+    from .stack import site_of_eqn
+    for eqn in jaxpr.eqns:
+        if eqn.primitive in LOOP_PRIMITIVES:
+            yield ("scan" if eqn.primitive is scan_p else "while"), site_of_eqn(eqn)
+        else:
+            for sub in subjaxprs_of(eqn.params, eqn):
+                yield from top_loops(sub)
 
 
 def scan_reverse(params) -> bool:
@@ -310,12 +358,13 @@ def is_inexact(dtype) -> bool:
 
 def collect_names(jaxpr, out=None, into=None) -> dict:
     """Primitive name -> count, including the jaxprs nested in equations
-    named in ``into`` (every nested jaxpr when None)."""
+    named in ``into`` (every nested jaxpr when None) and the expansions of
+    primitives that lower by tracing their implementation."""
     out = {} if out is None else out
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         out[name] = out.get(name, 0) + 1
-        if into is None or name in into:
-            for sub in subjaxprs_of(eqn.params):
+        if into is None or name in into or impl_of(eqn.primitive) is not None:
+            for sub in subjaxprs_of(eqn.params, eqn):
                 collect_names(sub, out, into)
     return out

@@ -17,6 +17,7 @@ __all__ = [
     "site_of_eqn",
     "current_site",
     "inside_loop_body_trace",
+    "impl_bind_is_nested",
     "differentiated",
     "differentiating",
     "jit_disabled",
@@ -90,17 +91,18 @@ def _library_caller(code, lasti):
 
 
 def _direct_caller(code, lasti):
-    """(file, line) of the user line that called the loop's function directly
-    (no JAX frame between), or None: a helper's loop called from two lines of
-    yours gets two addresses, while calls through ``jax.jit`` or
-    ``tap.verbose`` (JAX frames between) keep one."""
+    """(file, line) of the user line that called the loop's function (the
+    next user frame outward, past JAX's frames and jax-tap's), or None: a
+    helper's loop called from two lines of yours gets two addresses, and
+    ``f(x)``, ``jax.jit(f)(x)`` and ``tap.verbose(f)(x)`` on one line agree."""
     user = _source_info.is_user_filename
+    first = None
     for k, c in enumerate(code):
         if user(c.co_filename):
-            if k + 1 < len(code) and user(code[k + 1].co_filename):
-                frame = _source_info.raw_frame_to_frame(code[k + 1], lasti[k + 1])
+            if first is not None:
+                frame = _source_info.raw_frame_to_frame(c, lasti[k])
                 return (frame.file_name, frame.start_line)
-            return None
+            first = k
     return None
 
 
@@ -134,8 +136,9 @@ def current_site():
             except Exception:  # noqa: BLE001
                 pass
             up = frame.f_back
-            caller = (up.f_code.co_filename, up.f_lineno) \
-                if up is not None and _source_info.is_user_filename(up.f_code.co_filename) else None
+            while up is not None and not _source_info.is_user_filename(up.f_code.co_filename):
+                up = up.f_back
+            caller = None if up is None else (up.f_code.co_filename, up.f_lineno)
             return (name, frame.f_lineno, col, "transpose" in str(name_stack), library, caller)
         if library is None and not name.startswith(_HERE) and not any(p in name for p in _PLUMBING):
             library = (name, frame.f_lineno)  # library code that asked for this loop
@@ -205,10 +208,22 @@ def _nested_in_loop_code(is_loop) -> bool:
     while frame is not None and frame.f_code.co_filename.endswith(_BINDER_FILES):
         frame = frame.f_back  # the loop API or rule binding this very loop (fori_loop -> scan)
     while frame is not None:
-        if frame.f_code.co_filename.endswith(_LOOPS_FILE):
+        code = frame.f_code
+        if code.co_filename.endswith(_LOOPS_FILE) or _shape_only(code):
             return True
         frame = frame.f_back
     return False
+
+
+# An abstract evaluation (a primitive's shape rule tracing its implementation,
+# ``jax.eval_shape``) traces loops that never run: never tapped, never numbered
+_SHAPE_ONLY = {"abstract_eval_": os.path.join("jax", "_src", "core.py"),
+               "eval_shape": os.path.join("jax", "_src", "api.py")}
+
+
+def _shape_only(code) -> bool:
+    suffix = _SHAPE_ONLY.get(code.co_name)
+    return suffix is not None and code.co_filename.endswith(suffix)
 
 
 def inside_loop_body_trace(is_loop=False) -> bool:
@@ -228,6 +243,29 @@ def inside_loop_body_trace(is_loop=False) -> bool:
         if dbg is not None and getattr(dbg, "traced_for", None) in _LOOP_BODY_TRACES:
             return True
         trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+# JAX's transformation rules run here: a primitive bound inside one is the
+# rule re-binding it (a JVP's tangent solve, a batched variant), not the user
+_RULE_FRAMES = tuple(os.path.join("jax", "_src", "interpreters", f) for f in ("ad.py", "batching.py", "partial_eval.py"))
+
+
+def impl_bind_is_nested() -> bool:
+    """True when a library primitive that lowers by tracing its
+    implementation is bound where jax-tap must leave it alone: inside a loop
+    body being traced or a lowering, in derivative code, or by one of JAX's
+    transformation rules."""
+    if inside_loop_body_trace(False) or _in_derivative_code():
+        return True
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name.startswith("process_") and code.co_filename.endswith(_RULE_FRAMES):
+            return True
+        if _shape_only(code):
+            return True
+        frame = frame.f_back
     return False
 
 

@@ -8,9 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .eqns import ClosedJaxpr, Tracer, closed_call_p, hi_call_p, loop_scope
+from .eqns import ClosedJaxpr, Tracer, closed_call_p, hi_call_p, impl_of, loop_scope
 from .stack import differentiated, differentiating, quiet
 from .versions import internal
+
+from jax.custom_derivatives import SymbolicZero
 
 __all__ = [
     "trace_closed",
@@ -33,6 +35,7 @@ __all__ = [
     "is_array_like",
     "effects_barrier",
     "hi_expansion",
+    "impl_expansion",
 ]
 
 _core = internal("jax._src.core")
@@ -157,9 +160,19 @@ def observed(tapped_fn, plain_fn, args):
 
     def rule(primals, tangents):
         events(*[jax.lax.stop_gradient(p) for p in primals])
-        return jax.jvp(lambda *a: list(plain_fn(*a)), list(primals), list(tangents))
+        # inputs without a tangent stay constants of the derivative, as they
+        # are untapped (a rule may insist on symbolic zeros: lineax's solve)
+        moving = [i for i, t in enumerate(tangents) if not isinstance(t, SymbolicZero)]
 
-    f.defjvp(rule)
+        def along(*moved):
+            a = list(primals)
+            for i, x in zip(moving, moved):
+                a[i] = x
+            return list(plain_fn(*a))
+
+        return jax.jvp(along, [primals[i] for i in moving], [tangents[i] for i in moving])
+
+    f.defjvp(rule, symbolic_zeros=True)
     return f(*args)
 
 
@@ -208,4 +221,48 @@ def hi_expansion(params):
     if len(_HI_EXPANSIONS) > 4096:
         _HI_EXPANSIONS.clear()
     _HI_EXPANSIONS[id(prim)] = (prim, expanded)
+    return expanded
+
+
+class _own_tracebacks:
+    """Equations staged within record the Python stack of their own bind
+    (JAX's transposition and jaxpr evaluation pin the traceback of the
+    equation they replay), under ``name_stack``."""
+
+    def __init__(self, name_stack):
+        self.name_stack = name_stack
+
+    def __enter__(self):
+        ctx = _source_info._source_info_context
+        self.prev = ctx.context
+        ctx.context = _source_info.SourceInfo(None, self.name_stack)
+
+    def __exit__(self, *exc):
+        _source_info._source_info_context.context = self.prev
+        return False
+
+
+_IMPL_EXPANSIONS: dict = {}  # id(params) -> (params, avals, expansion or None)
+
+
+def impl_expansion(prim, params, avals, eqn=None):
+    """The closed jaxpr ``prim`` lowers to (its implementation traced on
+    ``avals``, as its ``lower_fun`` lowering does), or None. Under ``eqn``'s
+    name stack, so a backward solve's loops are told apart from the forward's."""
+    key = id(params)
+    hit = _IMPL_EXPANSIONS.get(key)
+    if hit is not None and hit[0] is params and hit[1] == avals:
+        return hit[2]
+    impl = impl_of(prim)
+    try:
+        name_stack = _source_info.current_name_stack()
+        if eqn is not None:
+            name_stack = name_stack + eqn.source_info.name_stack
+        with quiet(), _own_tracebacks(name_stack):
+            expanded = trace_closed(lambda *a: impl(*a, **params), list(avals))
+    except Exception:  # noqa: BLE001 - an implementation that cannot be traced on its own
+        expanded = None
+    if len(_IMPL_EXPANSIONS) > 4096:
+        _IMPL_EXPANSIONS.clear()
+    _IMPL_EXPANSIONS[key] = (params, list(avals), expanded)
     return expanded

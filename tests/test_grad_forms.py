@@ -42,3 +42,68 @@ def test_with_form_around_differentiation(form, flush_every):
     assert set(loops) <= {"scan[0]", "scan[1]"}  # plus, in reverse mode, its backward twin
     if form in ("grad", "grad(jit)", "jit(grad(jit))", "vjp(jit)", "value_and_grad"):
         assert loops == {"scan[0]": 5, "scan[1]": 5}
+
+
+# ------------------------------------------ loops inside custom_vjp / custom_jvp
+@jax.custom_vjp
+def fixed_point(a):
+    return jax.lax.while_loop(lambda c: c[0] < 5, lambda c: (c[0] + 1, jnp.cos(c[1]) * a), (0, a))[1]
+
+
+def _fp_fwd(a):
+    y = fixed_point(a)
+    return y, (a, y)
+
+
+def _fp_bwd(res, g):
+    a, y = res
+    return (g * jax.lax.fori_loop(0, 3, lambda i, c: c * 0.5 + y, a),)
+
+
+fixed_point.defvjp(_fp_fwd, _fp_bwd)
+
+
+@jax.custom_jvp
+def powered(a):
+    return jax.lax.while_loop(lambda c: c[0] < 4, lambda c: (c[0] + 1, c[1] * a), (0, a))[1]
+
+
+powered.defjvp(lambda p, t: (powered(p[0]), t[0] * 2.0))
+
+CUSTOM = {
+    "custom_vjp-grad": (fixed_point, jax.grad, None),
+    "custom_vjp-grad2": (fixed_point, lambda f: jax.grad(jax.grad(f)),
+                         "the wrapping form's program holds the backward loop of the backward pass at a third address"),
+    "custom_vjp-checkpoint": (fixed_point, lambda f: jax.grad(jax.checkpoint(f)),
+                              "the wrapping form also reports the forward loop rematerialized in the backward pass"),
+    "custom_vjp-vmap_grad": (fixed_point, lambda f: jax.vmap(jax.grad(f)), None),
+    "custom_jvp-grad": (powered, jax.grad, None),
+    "custom_jvp-grad2": (powered, lambda f: jax.grad(jax.grad(f)), None),
+    "custom_jvp-jacfwd": (powered, jax.jacfwd, None),
+    "custom_jvp-checkpoint": (powered, lambda f: jax.grad(jax.checkpoint(f)), None),
+    "custom_jvp-vmap_grad": (powered, lambda f: jax.vmap(jax.grad(f)), None),
+}
+
+
+def _custom_params():
+    for name, (_, _, gap) in CUSTOM.items():
+        marks = [pytest.mark.xfail(strict=True, reason=gap)] if gap else []
+        yield pytest.param(name, marks=marks, id=name)
+
+
+@pytest.mark.parametrize("name", list(_custom_params()))
+def test_loops_in_custom_rules_emit_under_autodiff_in_both_forms(name):
+    fn, transform, _ = CUSTOM[name]
+    g = transform(fn)
+    x = jnp.full(3, 0.7, jnp.float32) if "vmap" in name else jnp.float32(0.7)
+    want = sync(g(x))
+    seen = []
+    got_v = sync(tap.verbose(g, on_step=seen.append, select=lambda leaves: ())(x))
+    with tap.record(select=lambda leaves: ()) as rec:
+        got_w = sync(g(x))
+    assert_bits(got_v, want)
+    assert_bits(got_w, want)
+    paths_v = collections.Counter(e.path for e in seen)
+    paths_w = collections.Counter(e.path for e in rec.events)
+    assert paths_v["while[0]"] > 0  # the loop inside the custom rule is heard under autodiff
+    assert paths_v == paths_w

@@ -331,7 +331,8 @@ def _tap_primitive(prim, ctx, args, params):
 def _intercept(prim, handler, ctx, args, params):
     walker = ctx._token.walker
     site = _seam.current_site()
-    ctx._sites.index("scan" if prim is _seam.scan_p else "while", site)  # program order
+    if not _seam.in_custom_body_trace():  # (a body JAX may discard is numbered when it runs)
+        ctx._sites.index("scan" if prim is _seam.scan_p else "while", site)  # program order
     with _seam.quiet():
         try:
             ctx._names_seen.update(tappable_names(_seam.loop_body(prim, params).jaxpr))

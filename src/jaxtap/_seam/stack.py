@@ -18,6 +18,7 @@ __all__ = [
     "current_site",
     "inside_loop_body_trace",
     "impl_bind_is_nested",
+    "in_custom_body_trace",
     "differentiated",
     "differentiating",
     "jit_disabled",
@@ -264,6 +265,20 @@ def impl_bind_is_nested() -> bool:
         if code.co_name.startswith("process_") and code.co_filename.endswith(_RULE_FRAMES):
             return True
         if _shape_only(code):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def in_custom_body_trace() -> bool:
+    """True while JAX traces the body of a ``custom_jvp``/``custom_vjp``
+    function for a jaxpr: under a transformation that uses the rules the
+    traced body may be discarded (the rule calls the function again)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in ("process_custom_jvp_call", "process_custom_vjp_call") \
+                and code.co_filename.endswith(_RULE_FRAMES[2]):
             return True
         frame = frame.f_back
     return False

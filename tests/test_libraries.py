@@ -58,6 +58,19 @@ def _diffrax_tsit5():
     return jax.jit(ode), (jnp.ones(3),)
 
 
+def _diffrax_dopri5_grad():
+    import diffrax
+
+    def loss(y0):
+        term = diffrax.ODETerm(lambda t, y, args: -y * args + jnp.sin(t))
+        sol = diffrax.diffeqsolve(term, diffrax.Dopri5(), 0.0, 1.0, 0.1, y0, args=1.3,
+                                  saveat=diffrax.SaveAt(ts=jnp.linspace(0.0, 1.0, 7)),
+                                  stepsize_controller=diffrax.PIDController(rtol=1e-5, atol=1e-5))
+        return sol.ys.sum()
+
+    return jax.jit(jax.grad(loss)), (jnp.linspace(0.5, 1.5, 43),)
+
+
 def _optax_adam():
     import optax
 
@@ -113,6 +126,8 @@ def _flax_linen_sgd():
 
 
 _GAP_ADDRESS = "library loops excluded from JAX tracebacks share a with-form address (README: Known boundaries)"
+_GAP_BACKWARD = ("the backward pass of Equinox's checkpointed while loop: the with-form reports it as a top-level "
+                 "loop, the wrapping form inside the forward loop's address (README: Known boundaries)")
 _GAP_INIT = ("tap.verbose traces f: numpyro's eager-only early exit is not taken, so it reports an "
              "initialization loop the program never runs (README: Known boundaries)")
 WORKLOADS = {
@@ -121,6 +136,7 @@ WORKLOADS = {
     "lineax_cg_grad": (_lineax_cg_grad, None),
     "optimistix_newton": (_optimistix_newton, None),
     "diffrax_tsit5": (_diffrax_tsit5, _GAP_ADDRESS),
+    "diffrax_dopri5_grad": (_diffrax_dopri5_grad, _GAP_BACKWARD),
     "optax_adam": (_optax_adam, None),
     "numpyro_nuts": (_numpyro_nuts, _GAP_INIT),
     "flax_linen_sgd": (_flax_linen_sgd, None),

@@ -470,3 +470,22 @@ def test_wrapped_callables_attributes_never_shadow_ours():
         assert float(sync(g(jnp.float32(1.0 if fn is part else 0.0)))) == want
         assert [e.path for e in seen] == ["scan[0]"] * (3 if fn is f else 2)
     assert tap.verbose(f, on_step=print).note == "kept"
+
+
+def test_verbose_called_eagerly_computes_what_f_computes_eagerly():
+    # jnp.mean is a jit declared inline: eagerly it is one compiled program
+    # (XLA turns `/ n` into `* (1/n)`); traced, it dissolves into equations.
+    # tap.verbose keeps it a program at the top level, so eager values agree.
+    def f(x, y):
+        return jax.lax.scan(lambda c, _: (c * 1.01, None), jnp.mean(x * y + 1.0), None, length=3)[0]
+
+    x = jax.random.normal(jax.random.key(1), (1000,))
+    y = jax.random.normal(jax.random.key(2), (1000,))
+    want = f(x, y)
+    seen = []
+    got = tap.verbose(f, on_step=seen.append)(x, y)
+    jax.effects_barrier()
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+    assert [e.step for e in seen] == [0, 1, 2]
+    # under a transformation the program is traced as usual (and still agrees)
+    assert np.asarray(jax.jit(tap.verbose(f))(x, y)).tobytes() == np.asarray(jax.jit(f)(x, y)).tobytes()

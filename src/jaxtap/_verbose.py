@@ -8,6 +8,7 @@ grad) the caller is under.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from typing import Callable, Optional
@@ -64,18 +65,21 @@ class Tapped:
             key = None
         return dyn, key
 
-    def _build(self, leaves, treedef, dyn, differentiated):
+    def _build(self, leaves, treedef, dyn, differentiated, eager):
         positions = [i for i, x in enumerate(leaves) if _seam.is_array_like(x)]
         f = self.__wrapped__
+        dispatch = _seam.eager_dispatch() if eager else contextlib.nullcontext()
 
         def flat(*dyn_args):
+            if eager:
+                dispatch.top()
             full = list(leaves)
             for i, v in zip(positions, dyn_args):
                 full[i] = v
             args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
             return f(*args, **kwargs)
 
-        with _seam.quiet():
+        with _seam.quiet(), dispatch:
             closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*dyn)
             if not self._warned_names and self._walker.plan.prim_taps:
                 self._warned_names = True
@@ -104,10 +108,11 @@ class Tapped:
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         dyn, key = self._signature(leaves, treedef)
         differentiated = _seam.differentiating()
-        key = None if key is None else (key, differentiated)
+        eager = not differentiated and _seam.at_base_trace()  # evaluated op by op, as f runs eagerly
+        key = None if key is None else (key, differentiated, eager)
         entry = self._cache.get(key) if key is not None else None
         if entry is None:
-            rewritten, out_tree, cacheable = self._build(leaves, treedef, dyn, differentiated)
+            rewritten, out_tree, cacheable = self._build(leaves, treedef, dyn, differentiated, eager)
             if key is not None and cacheable:
                 with self._lock:
                     if len(self._cache) >= _MAX_CACHE:

@@ -216,10 +216,12 @@ def _nested_in_loop_code(is_loop) -> bool:
     return False
 
 
-# An abstract evaluation (a primitive's shape rule tracing its implementation,
-# ``jax.eval_shape``) traces loops that never run: never tapped, never numbered
-_SHAPE_ONLY = {"abstract_eval_": os.path.join("jax", "_src", "core.py"),
-               "eval_shape": os.path.join("jax", "_src", "api.py")}
+# A primitive's abstract evaluation (its shape rule tracing its
+# implementation, as lineax's does) traces loops that never run: never
+# tapped, never numbered. (Not ``jax.eval_shape`` as such: JAX's hijax
+# primitives trace their expansion with it, and that trace is the one their
+# lowering reuses.)
+_SHAPE_ONLY = {"abstract_eval_": os.path.join("jax", "_src", "core.py")}
 
 
 def _shape_only(code) -> bool:

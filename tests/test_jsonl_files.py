@@ -272,3 +272,13 @@ def test_keyboard_interrupt_while_a_buffered_block_is_delivered(tmp_path):
     assert seen == list(range(50))  # the consumer keeps its place
     (msg,) = tap_warnings(caught)
     assert "KeyboardInterrupt" in msg
+
+
+def test_vmap_lanes_survive_the_file(tmp_path):
+    path = str(tmp_path / "lanes.jsonl")
+    f = lambda x: jax.lax.scan(lambda c, _: (c * 2.0, None), x, None, length=2)[0]  # noqa: E731
+    with tap.JSONLWriter(path) as out, tap.record(on_step=out, select=lambda leaves: leaves[0]) as rec:
+        sync(jax.vmap(f)(jnp.arange(3.0)))
+    back = tap.read_jsonl(path)
+    assert [(e.path, e.step, e.lane) for e in back] == [(e.path, e.step, e.lane) for e in rec.events]
+    assert {e.lane for e in back} == {0, 1, 2}

@@ -66,7 +66,7 @@ class TapEvent(tuple):
     path = property(itemgetter(0), doc="Address of the observed node.")
     step = property(itemgetter(1), doc="Iteration of the innermost enclosing loop.")
     value = property(itemgetter(2), doc="What ``select`` returned, as host copies.")
-    total = property(itemgetter(3), doc="Scan length; None for while loops; 1 outside loops.")
+    total = property(itemgetter(3), doc="Scan length; None for while loops and outside any loop.")
     kind = property(itemgetter(4), doc='"carry", "output" or "primitive".')
     lane = property(itemgetter(5), doc="vmap lane, or None.")
 

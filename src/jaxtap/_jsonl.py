@@ -67,7 +67,8 @@ class JSONLWriter:
     """Streams events to a JSON-lines file, one object per event, flushed per line.
 
     Callable as an ``on_step``; a context manager; ``.close()`` when done.
-    Each line holds ``path``, ``step``, ``total``, ``kind``, ``value`` (exact,
+    Each line holds ``path``, ``step``, ``total``, ``kind`` (``lane`` under
+    ``jax.vmap``), ``value`` (exact,
     with dtypes and shapes, for :func:`read_jsonl`) and flat ``value``
     columns for ``pandas.read_json(path, lines=True)``. An unwritable path or
     a full disk warns once and stops the writer (the file keeps every line
@@ -114,6 +115,8 @@ class JSONLWriter:
             return
         try:
             record = {"path": event.path, "step": event.step, "total": event.total, "kind": event.kind}
+            if event.lane is not None:
+                record["lane"] = event.lane
             record.update({k: v for k, v in _flat_columns(event.value).items() if k not in record})
             record["__value__"] = _encode(event.value)
             line = json.dumps(record, default=repr, allow_nan=True) + "\n"
@@ -290,7 +293,10 @@ def _event(rec) -> TapEvent:
         raise _Bad(f"'total' must be an int or null, got {total!r}")
     if kind not in ("carry", "output", "primitive"):
         raise _Bad(f"'kind' must be 'carry', 'output' or 'primitive', got {kind!r}")
-    return TapEvent(path, step, value, total, kind)
+    lane = rec.get("lane")
+    if lane is not None and (not isinstance(lane, int) or isinstance(lane, bool)):
+        raise _Bad(f"'lane' must be an int or null, got {lane!r}")
+    return TapEvent(path, step, value, total, kind, lane)
 
 
 # ------------------------------------------------------------------ reading

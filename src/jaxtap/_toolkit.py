@@ -98,8 +98,8 @@ def print(prim_name: str, output: Optional[int] = None, select: Optional[Callabl
     ...     return jax.lax.scan(lambda c, x: (c * x, None), x0, xs)
     >>> with tap.record(taps=[tap.print("mul")]):   # doctest: +SKIP
     ...     f(jnp.float32(1.0), jnp.array([0.5, 0.5]))
-    [tap] scan[0]/mul[0] 0/2: array(0.5, dtype=float32)
-    [tap] scan[0]/mul[0] 1/2: array(0.25, dtype=float32)
+    [tap] scan[0]/mul[0] 0/2: array([0.5], dtype=float32)
+    [tap] scan[0]/mul[0] 1/2: array([0.25], dtype=float32)
     """
     _check_prim_args(prim_name, select, output, label, once)
     return PrimTap(prim_name, select=select, label=label, output=output, once=once, mode="print")

@@ -14,9 +14,11 @@ from jax import lax
 
 from . import _seam
 from ._emit import Block, Buffer, Side, emit
-from ._transform import HANDLERS, Counter, _bind, _bool_aval, _both, _int32_aval, _one, interpret
+from ._rules import bind as _bind, bool_aval as _bool_aval, both as _both, int32_aval as _int32_aval, one as _one, register
+from ._transform import Counter, interpret
 
 
+@register(_seam.scan_p)
 def handle_scan(walker, eqn, params, invals, scope, site):
     """A scan: observed through a driver and an effect-free runner.
 
@@ -284,6 +286,7 @@ def _scan_driver(walker, wants, params, stepped, path, top, args, side, gate=Non
     return out[:ncar + nys]
 
 
+@register(_seam.while_p)
 def handle_while(walker, eqn, params, invals, scope, site):
     """A while loop: observed through a driver and an effect-free runner.
 
@@ -385,5 +388,3 @@ def _tapped_while(walker, scope, path, top, wants, emits, cond, cnc, body, bnc, 
     return out[:ncarry]
 
 
-HANDLERS[_seam.SCAN] = handle_scan
-HANDLERS[_seam.WHILE] = handle_while

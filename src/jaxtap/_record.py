@@ -28,11 +28,12 @@ from ._collectors import FlightRecorder
 from ._emit import TapSelectError
 from ._host import warn_once_now
 from ._toolkit import warn_unmatched
-from ._loops import handle_scan, handle_while
+from . import _loops  # noqa: F401 - registers the scan and while rules
+from ._rules import RULES
 from ._transform import SiteIndex, Sinks, Walker, handler_for, tappable_names
 from ._verbose import configure, make_tapped, rebuild_guard
 
-_HANDLERS = {_seam.scan_p: handle_scan, _seam.while_p: handle_while}
+_LOOPS = _seam.LOOP_PRIMITIVES  # intercepted whenever a block is active
 _seam.check_at_import()  # one warning at import on a JAX outside the tested range
 
 
@@ -247,13 +248,13 @@ def _collected(ref):
 def _sync_patches():
     """Intercept the loop primitives, and the primitives some active block
     taps by name, exactly while they are needed."""
-    wanted = set(_HANDLERS) if _REGISTRY.n_active else set()
+    wanted = set(_LOOPS) if _REGISTRY.n_active else set()
     if _REGISTRY.n_active:
         wanted.update(_seam.impl_primitives())  # library primitives holding loops (lineax)
         for ctx in _REGISTRY.active():
             for t in ctx._plan.prim_taps:
                 prim = _seam.primitive_named(t.prim) if t.prim else None
-                if prim is not None and prim not in _HANDLERS:
+                if prim is not None and prim not in _LOOPS:
                     wanted.add(prim)
     for prim in list(_PATCHED):
         if prim not in wanted:
@@ -269,13 +270,13 @@ _PATCHED: set = set()
 
 
 def _uninstall_all():
-    for prim in list(_PATCHED) + list(_HANDLERS):
+    for prim in list(_PATCHED) + list(_LOOPS):
         _seam.uninstall_bind(prim)
     _PATCHED.clear()
 
 
 def _make_bind(prim):
-    handler = _HANDLERS.get(prim)
+    handler = RULES.get(prim) if prim in _LOOPS else None
     expands = handler is None and _seam.impl_of(prim) is not None
 
     def bind(*args, **params):

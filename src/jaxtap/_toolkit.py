@@ -10,6 +10,7 @@ from typing import Callable, Optional
 import jax
 
 from . import _seam
+from . import _loops  # noqa: F401 - registers the scan and while rules
 from ._transform import tappable_names
 from ._event import TapEvent
 from ._host import Alerter, _say, at, value_repr, warn_once_now

@@ -25,32 +25,14 @@ import numpy as np
 from jax import lax
 
 from . import _seam
+from ._rules import RULES, bind as _bind, bool_aval as _bool_aval, both as _both, int32_aval as _int32_aval, register, ruled_names
 from ._emit import Meta, Side, TapSelectError, emit, finite_flag, run_select
 from ._options import Plan, PrimTap
 
-_INT32 = None
 
 
 class WhereError(TypeError):
     """The user's ``where`` raised: bad input, never a reason to run untapped."""
-
-
-def _int32_aval():
-    global _INT32
-    if _INT32 is None:
-        _INT32 = _seam.abstractify(np.int32(0))
-    return _INT32
-
-
-def _bool_aval():
-    return _seam.abstractify(np.bool_(True))
-
-
-def _both(a, b):
-    """a AND b, where None means "always"."""
-    if a is None or b is None:
-        return b if a is None else a
-    return lax.bitwise_and(a, b)
 
 
 def _branch_ran(index, branch):
@@ -188,7 +170,7 @@ class Walker:
                 result = True
             elif name in (_seam.SCAN, _seam.WHILE) and self.plan.emits_loops:
                 result = True
-            elif name in HANDLERS or _seam.impl_of(eqn.primitive) is not None:
+            elif eqn.primitive in RULES or _seam.impl_of(eqn.primitive) is not None:
                 result = any(self.needs(sub) for sub in _seam.subjaxprs_of(eqn.params, eqn))
             if result:
                 break
@@ -343,17 +325,6 @@ def interpret(walker: Walker, jaxpr, consts, args, scope: Scope):
     return [read(v) for v in jaxpr.outvars]
 
 
-def _bind(eqn, prim, invals, params):
-    if eqn is None:
-        out = _seam.bind_original(prim, invals, params)
-        return list(out) if prim.multiple_results else [out]
-    return _seam.bind_with_params(eqn, prim, invals, params)
-
-
-def _one():
-    return np.int32(1)
-
-
 # ------------------------------------------------------------------ handlers
 def _threaded(scope, branch_index=None):
     """(avals, values) a sub-trace gets as extra trailing inputs: the
@@ -407,6 +378,7 @@ def _adopt(scope, side, outs):
     return outs[:n]
 
 
+@register(_seam.jit_p)
 def handle_jit(walker, eqn, params, invals, scope, site):
     body = _seam.jit_body(params)
     if scope.in_loop:
@@ -421,6 +393,7 @@ def handle_jit(walker, eqn, params, invals, scope, site):
     return _adopt(scope, side, outs)
 
 
+@register(_seam.cond_p)
 def handle_cond(walker, eqn, params, invals, scope, site):
     branches = _seam.cond_branches(params)
     extra, values = _threaded(scope, invals[0] if scope.in_loop else None)
@@ -474,6 +447,7 @@ def _buffered_cond(walker, eqn, params, args, scope, scope_fns, extra, saved, re
     return outs[:n_out]
 
 
+@register(_seam.remat_p)
 def handle_remat(walker, eqn, params, invals, scope, site):
     avals, values = _threaded(scope)
     closed, side = _rewrite_sub(walker, _seam.remat_body(params), scope,
@@ -511,9 +485,14 @@ def _expanded(walker, eqn, prim, params, invals, scope, expanded):
     return _seam.observed(tapped, plain, list(invals))
 
 
+@register(_seam.hi_call_p)
 def handle_hi(walker, eqn, params, invals, scope, site):
     """A hijax primitive (JAX >= 0.11): its ``expand`` stages the equations."""
     return _expanded(walker, eqn, _seam.hi_call_p, params, invals, scope, _seam.hi_expansion(params))
+
+
+for _prim in (_seam.custom_jvp_call_p, _seam.custom_vjp_call_p, _seam.closed_call_p):
+    register(_prim)(_handle_call(_prim))
 
 
 def _handle_impl(prim):
@@ -526,21 +505,9 @@ def _handle_impl(prim):
     return handle
 
 
-HANDLERS = {  # the loop handlers join from _loops (imported at the end)
-    _seam.JIT: handle_jit,
-    _seam.COND: handle_cond,
-    _seam.REMAT: handle_remat,
-    _seam.CUSTOM_JVP: _handle_call(_seam.custom_jvp_call_p),
-    _seam.CUSTOM_VJP: _handle_call(_seam.custom_vjp_call_p),
-    _seam.CLOSED_CALL: _handle_call(_seam.closed_call_p),
-}
-if _seam.HI_CALL is not None:
-    HANDLERS[_seam.HI_CALL] = handle_hi
-
-
 def handler_for(prim):
     """The rule for an equation of ``prim``, or None (re-emitted unchanged)."""
-    handler = HANDLERS.get(prim.name)
+    handler = RULES.get(prim)
     if handler is None and _seam.impl_of(prim) is not None:
         handler = _handle_impl(prim)
     return handler
@@ -551,7 +518,7 @@ def tappable_names(jaxpr) -> dict:
     loop bodies, branches, jits, checkpoints, custom-derivative bodies;
     never the inside of a primitive it binds unchanged (a linear solve's
     operator, ``shard_map``, ``pallas_call``)."""
-    return _seam.collect_names(jaxpr, into=set(HANDLERS))
+    return _seam.collect_names(jaxpr, into=ruled_names())
 
 
 def rewrite_program(walker: Walker, closed):
@@ -560,5 +527,3 @@ def rewrite_program(walker: Walker, closed):
         return closed
     return walker.rewrite_closed(closed, lambda extra: walker.top_scope())
 
-
-from . import _loops  # noqa: E402,F401 - registers the scan and while handlers

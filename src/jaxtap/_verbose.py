@@ -20,6 +20,7 @@ from ._host import Consumers, Guard, warn_once_now
 from ._options import build_plan, check_host_callables
 from ._toolkit import prim_consumers, warn_unmatched
 from ._emit import TapSelectError
+from . import _loops  # noqa: F401 - registers the scan and while rules
 from ._transform import SiteIndex, Sinks, Walker, WhereError, rewrite_program, tappable_names
 
 _MAX_CACHE = 64

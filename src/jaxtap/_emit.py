@@ -106,13 +106,12 @@ class Block(Meta):
     events (and nested blocks), so the inner loop needs no callback at all.
     """
 
-    __slots__ = ("subs", "length", "reverse", "metas", "layouts")
+    __slots__ = ("subs", "length", "metas", "layouts")
 
-    def __init__(self, subs, length, reverse):
+    def __init__(self, subs, length):
         super().__init__(None, None, None, length, "block")
         self.subs = subs  # Side entries of one step: (meta, static, treedef, n, n_dyn)
         self.length = length
-        self.reverse = reverse
         self.metas = [sub[0] for sub in subs]
         self.layouts = [sub[1:] for sub in subs]
 
@@ -125,7 +124,7 @@ class Block(Meta):
                 _deliver_column(meta, guard, list(range(n)), arrays[0], n, lane)
                 return
         for step in range(n):
-            _deliver_row(self.metas, self.layouts, guard, step, arrays, n - 1 - step if self.reverse else step, lane)
+            _deliver_row(self.metas, self.layouts, guard, step, arrays, step, lane)  # rows in execution order
 
 
 def _split_all(values):

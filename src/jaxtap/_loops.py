@@ -246,7 +246,7 @@ def _collect(metas, payloads, observe, total, state, run_until, k, guard, into):
 
     cs = _seam.while_loop(lambda cs: lax.lt(cs[0], n), c_body, (np.int32(0), np.int32(0), *state, *buf.empty()))
     subs = [(meta, *layout) for meta, layout in zip(metas, buf.layouts)]
-    into.add(Block(subs, total, False), list(cs[3 + n_state:]))  # rows in execution order; steps implied
+    into.add(Block(subs, total), list(cs[3 + n_state:]))  # rows in execution order; steps implied
     return list(cs[2:2 + n_state])
 
 

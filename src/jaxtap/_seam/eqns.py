@@ -44,7 +44,6 @@ __all__ = [
     "scan_with_counter",
     "while_parts",
     "loop_body",
-    "while_with_counter",
     "jit_body",
     "jit_with_body",
     "cond_branches",
@@ -157,13 +156,6 @@ def while_parts(params):
 def loop_body(prim, params):
     """The body jaxpr of a loop equation (a scan's or a while loop's)."""
     return params["jaxpr"] if prim is scan_p else params["body_jaxpr"]
-
-
-def while_with_counter(params, new_cond, new_body):
-    p = dict(params)
-    p["cond_jaxpr"] = new_cond
-    p["body_jaxpr"] = new_body
-    return p
 
 
 # jit

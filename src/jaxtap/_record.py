@@ -342,12 +342,7 @@ def _intercept(prim, handler, ctx, args, params):
         except TapSelectError:
             raise
         except Exception as exc:  # noqa: BLE001 - our failure must not be the user's
-            try:
-                out = _seam.bind_original(prim, args, params)
-            except Exception:
-                raise exc from None  # the program itself fails the same way
-            warn_once_now(f"jax-tap: could not tap a {prim.name} loop ({type(exc).__name__}: {exc}); it ran untapped.")
-            return out
+            return _untapped(prim, args, params, exc, f"a {prim.name} loop")
 
 
 def _intercept_expanding(prim, ctx, args, params):
@@ -367,12 +362,17 @@ def _intercept_expanding(prim, ctx, args, params):
         except TapSelectError:
             raise
         except Exception as exc:  # noqa: BLE001 - our failure must not be the user's
-            try:
-                out = _seam.bind_original(prim, args, params)
-            except Exception:
-                raise exc from None
-            warn_once_now(f"jax-tap: could not tap inside {prim.name} ({type(exc).__name__}: {exc}); it ran untapped.")
-            return out
+            return _untapped(prim, args, params, exc, f"inside {prim.name}")
+
+
+def _untapped(prim, args, params, exc, what):
+    """Our rewrite failed: bind the user's equation as it is, warn once."""
+    try:
+        out = _seam.bind_original(prim, args, params)
+    except Exception:
+        raise exc from None  # the program itself fails the same way
+    warn_once_now(f"jax-tap: could not tap {what} ({type(exc).__name__}: {exc}); it ran untapped.")
+    return out
 
 
 # ------------------------------------------------------------- the context

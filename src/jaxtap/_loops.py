@@ -9,6 +9,8 @@ the tapped form runs on gradient-stopped inputs for the events alone.
 """
 from __future__ import annotations
 
+from typing import Any, Callable, NamedTuple, Optional
+
 import numpy as np
 from jax import lax
 
@@ -115,27 +117,74 @@ def _next_stop(i, k):
     return lax.add(lax.mul(lax.div(lax.add(i, lax.sub(k, _one())), k), k), _one())
 
 
-def _drive(walker, wants, path, top, total, state, run_until, alive, observe, uniform, side=None, collect=None,
-           gate=None):
-    """The driver: run the effect-free runner up to each sampled step, emit.
+class Runner(NamedTuple):
+    """The effect-free half of a tapped loop, as the driver sees it.
 
     ``run_until(i, stop, state) -> (i2, state2)`` runs user steps
     ``i .. stop-1`` (fewer if the loop ends); ``alive(i, state)`` says whether
-    the loop goes on; ``observe(last, state) -> (carry, ys)`` gives what a
-    step's tap sees: ``(carry, ys, side values)``. ``uniform``: every runner
-    call ends on a sampled step unless the loop ended (a scan), so
-    sample_every=1 needs no gate. With ``flush_every=K``, K sampled steps are
-    buffered on device and cross in one hop; ``side`` holds the buffered
-    primitive taps of the body, whose latest values the runner carries.
-    ``collect`` (a scan inside a buffered step, sample_every=1): every step is
-    written to one buffer of the scan's length, with no callback, and the
-    buffer joins ``collect`` (the enclosing step's Side) as a Block.
-    ``gate``: a lane flag; where it is false (a finished lane of an enclosing
-    vmapped while loop) nothing is emitted.
+    the loop goes on; ``observe(last, state) -> (carry, ys, side values)`` is
+    what a step's tap sees. ``total``: a scan's length (None for a while
+    loop); ``uniform``: every runner call ends on a sampled step unless the
+    loop ended (a scan), so ``sample_every=1`` needs no gate.
     """
-    plan = walker.plan
-    every, flush = plan.sample_every, plan.flush_every
-    metas, loop_payloads = walker.loop_parts(wants, path, top, total)
+
+    state: list
+    run_until: Callable
+    alive: Callable
+    observe: Callable
+    total: Optional[int]
+    uniform: bool
+
+    def advance(self, i, k, state):
+        """Run to the next sampled step: (i2, state2, last step run, sampled?)."""
+        i2, st2 = self.run_until(i, _next_stop(i, k), state)
+        last = lax.sub(i2, _one())
+        sampled = lax.bitwise_and(lax.gt(i2, i), lax.eq(lax.rem(last, k), np.int32(0)))
+        return i2, list(st2), last, sampled
+
+    def last_sampled(self, every):
+        """One past a scan's last sampled step: the driver stops there."""
+        return np.int32(((self.total - 1) // every) * every + 1)
+
+    def finish(self, i, state, every):
+        """A scan's steps after its last sampled one, in one more runner call."""
+        if self.total - 1 > int(self.last_sampled(every)) - 1:
+            _, state = self.run_until(i, np.int32(self.total), state)
+        return list(state)
+
+
+class _Hop(NamedTuple):
+    """State of a driver that emits every sampled step (a scan drops ``live``)."""
+
+    i: Any
+    k: Any
+    live: Any
+    state: list
+
+
+class _Fill(NamedTuple):
+    """State of the loop that fills one buffer between two flushes."""
+
+    i: Any
+    row: Any
+    live: Any
+    state: list
+    buffers: list
+
+
+def _drive(walker, wants, path, top, runner: Runner, side=None, collect=None, gate=None):
+    """The driver: run the effect-free runner up to each sampled step, emit.
+
+    With ``flush_every=K``, K sampled steps are buffered on device and cross
+    in one hop; ``side`` holds the buffered primitive taps of the body, whose
+    latest values the runner carries. ``collect`` (a scan inside a buffered
+    step, sample_every=1): every step is written to one buffer of the scan's
+    length, with no callback, and the buffer joins ``collect`` (the
+    enclosing step's Side) as a Block. ``gate``: a lane flag; where it is
+    false (a finished lane of an enclosing vmapped while loop) nothing is
+    emitted. Returns the runner's final state.
+    """
+    metas, loop_payloads = walker.loop_parts(wants, path, top, runner.total)
     if side is None:
         def payloads(carry, ys, side_values):
             return loop_payloads(carry, ys)
@@ -144,95 +193,102 @@ def _drive(walker, wants, path, top, total, state, run_until, alive, observe, un
 
         def payloads(carry, ys, side_values):
             return side.payloads(side_values) + loop_payloads(carry, ys)
-    n_state = len(state)
-
-    def advance(i, k, st):
-        i2, st2 = run_until(i, _next_stop(i, k), st)
-        last = lax.sub(i2, _one())
-        fired = lax.bitwise_and(lax.gt(i2, i), lax.eq(lax.rem(last, k), np.int32(0)))
-        return i2, list(st2), last, fired
 
     # The sampling period enters as a runtime value so XLA cannot prove the
     # runner's trip count and fold it into the driver.
-    k0 = _seam.optimization_barrier(np.int32(every))
-
-    if flush is None and uniform:
-        # A scan: the driver stops right after the last sampled step, so every
-        # runner call ends on a sampled step and the hop needs no gate; the
-        # steps after it run in one more runner call.
-        n = np.int32(total)
-        n_emit = np.int32(((total - 1) // every) * every + 1)
-
-        def d_body(s):
-            i, k, st = s[0], s[1], list(s[2:])
-            i2, st2, last, _ = advance(i, k, st)
-            seen = observe(last, st2)
-            emit(metas, lambda: payloads(*seen), walker.sinks.guard, step=last, sample_every=1, valid=gate)
-            return (i2, k, *st2)
-
-        out = _seam.while_loop(lambda s: lax.lt(s[0], n_emit), d_body, (np.int32(0), k0, *state))
-        i, st = out[0], list(out[2:])
-        if total - 1 > int(n_emit) - 1:
-            _, st = run_until(i, n, st)
-        return list(st)
-
-    if flush is None:
-        def d_body(s):
-            i, k, st = s[0], s[1], list(s[3:])
-            i2, st2, last, fired = advance(i, k, st)
-            seen = observe(last, st2)
-            emit(metas, lambda: payloads(*seen), walker.sinks.guard, step=last, sample_every=every,
-                 valid=_both(fired, gate))
-            return (i2, k, alive(i2, st2), *st2)
-
-        out = _seam.while_loop(lambda s: s[2], d_body, (np.int32(0), k0, alive(np.int32(0), state), *state))
-        return list(out[3:])
-
+    k0 = _seam.optimization_barrier(np.int32(walker.plan.sample_every))
+    if walker.plan.flush_every is None:
+        drive = _drive_scan if runner.uniform else _drive_while
+        return drive(walker, metas, payloads, runner, k0, gate)
     if collect is not None:
-        out = _collect(metas, payloads, observe, total, state, run_until, k0, walker.sinks.guard, collect)
+        out = _collect(metas, payloads, runner, k0, walker.sinks.guard, collect)
         if out is not None:
             return out
+    return _drive_buffered(walker, metas, payloads, runner, k0, gate)
 
-    if uniform:
-        flush = min(flush, total)  # a scan never needs more rows than steps
-    buf = Buffer(metas, payloads, observe, flush, walker.sinks.guard)
-    if uniform:  # a scan: stop after the last sampled step (as above), no write gate
-        n = np.int32(total)
-        n_emit = np.int32(((total - 1) // every) * every + 1)
-        alive = lambda i, st: lax.lt(i, n_emit)  # noqa: E731
+
+def _drive_scan(walker, metas, payloads, runner, k0, gate):
+    """A scan, one hop per sampled step: the driver stops right after the last
+    sampled step, so every runner call ends on a sampled step and the hop
+    needs no gate; the steps after it run in one more runner call."""
+    every = walker.plan.sample_every
 
     def d_body(s):
-        i, k, live, st = s[0], s[1], s[2], list(s[3:3 + n_state])
+        i, k, st = s[0], s[1], list(s[2:])
+        i2, st2, last, _ = runner.advance(i, k, st)
+        seen = runner.observe(last, st2)
+        emit(metas, lambda: payloads(*seen), walker.sinks.guard, step=last, sample_every=1, valid=gate)
+        return (i2, k, *st2)
 
-        def c_body(cs):
-            i, j, _, st, bufs = cs[0], cs[1], cs[2], list(cs[3:3 + n_state]), list(cs[3 + n_state:])
-            i2, st2, last, fired = advance(i, k, st)
-            j2, bufs2 = buf.write(_both(None if uniform else fired, gate), j, last, st2, bufs)
-            return (i2, j2, alive(i2, st2), *st2, *bufs2)
+    stop = runner.last_sampled(every)
+    out = _seam.while_loop(lambda s: lax.lt(s[0], stop), d_body, (np.int32(0), k0, *runner.state))
+    return runner.finish(out[0], list(out[2:]), every)
 
-        cs = _seam.while_loop(lambda cs: lax.bitwise_and(cs[2], lax.lt(cs[1], np.int32(flush))), c_body,
-                              (i, np.int32(0), live, *st, *buf.empty()))
-        i2, count, live2, st2, bufs = cs[0], cs[1], cs[2], list(cs[3:3 + n_state]), list(cs[3 + n_state:])
-        buf.flush(count, bufs)
-        return (i2, k, live2, *st2)
 
-    buf.prepare(state)
+def _drive_while(walker, metas, payloads, runner, k0, gate):
+    """A while loop, one hop per sampled step, gated by "sampled"."""
+    n_state = len(runner.state)
+
+    def d_body(flat):
+        s = _Hop(flat[0], flat[1], flat[2], list(flat[3:3 + n_state]))
+        i2, st2, last, sampled = runner.advance(s.i, s.k, s.state)
+        seen = runner.observe(last, st2)
+        emit(metas, lambda: payloads(*seen), walker.sinks.guard, step=last, sample_every=walker.plan.sample_every,
+             valid=_both(sampled, gate))
+        return (i2, s.k, runner.alive(i2, st2), *st2)
+
+    start = np.int32(0)
+    out = _seam.while_loop(lambda s: s[2], d_body, (start, k0, runner.alive(start, runner.state), *runner.state))
+    return list(out[3:])
+
+
+def _drive_buffered(walker, metas, payloads, runner, k0, gate):
+    """Buffered: K sampled steps written on device, one hop per flush."""
+    every, flush = walker.plan.sample_every, walker.plan.flush_every
+    if runner.uniform:
+        flush = min(flush, runner.total)  # a scan never needs more rows than steps
+    buf = Buffer(metas, payloads, runner.observe, flush, walker.sinks.guard)
+    alive = runner.alive
+    if runner.uniform:  # a scan: stop after the last sampled step (as unbuffered), no write gate
+        stop = runner.last_sampled(every)
+        alive = lambda i, st: lax.lt(i, stop)  # noqa: E731
+    n_state = len(runner.state)
+
+    def d_body(flat):
+        s = _Hop(flat[0], flat[1], flat[2], list(flat[3:3 + n_state]))
+
+        def c_body(cflat):
+            c = _Fill(cflat[0], cflat[1], cflat[2], list(cflat[3:3 + n_state]), list(cflat[3 + n_state:]))
+            i2, st2, last, sampled = runner.advance(c.i, s.k, c.state)
+            row, bufs = buf.write(_both(None if runner.uniform else sampled, gate), c.row, last, st2, c.buffers)
+            return (i2, row, alive(i2, st2), *st2, *bufs)
+
+        cflat = _seam.while_loop(lambda c: lax.bitwise_and(c[2], lax.lt(c[1], np.int32(flush))), c_body,
+                                 (s.i, np.int32(0), s.live, *s.state, *buf.empty()))
+        c = _Fill(cflat[0], cflat[1], cflat[2], list(cflat[3:3 + n_state]), list(cflat[3 + n_state:]))
+        buf.flush(c.row, c.buffers)
+        return (c.i, s.k, c.live, *c.state)
+
+    buf.prepare(runner.state)
     # a buffer bigger than _BUFFER_BYTES flushes sooner than asked (a while
     # loop's length is unknown, and K=10**9 must not allocate 10**9 rows)
     flush = buf.capacity = max(1, min(flush, _BUFFER_BYTES // max(1, buf.row_bytes())))
-    out = _seam.while_loop(lambda s: s[2], d_body, (np.int32(0), k0, alive(np.int32(0), state), *state))
+    start = np.int32(0)
+    out = _seam.while_loop(lambda s: s[2], d_body, (start, k0, alive(start, runner.state), *runner.state))
     st = list(out[3:])
-    if uniform and total - 1 > int(n_emit) - 1:
-        _, st = run_until(out[0], n, st)
-    return list(st)
+    return runner.finish(out[0], st, every) if runner.uniform else st
 
 
 _BLOCK_BYTES = 4 << 20  # the most device memory blocks may add to a buffer
 _BUFFER_BYTES = 4 << 20  # the most device memory one loop's buffer may take (a flush ships it whole)
 
 
-def _collect(metas, payloads, observe, total, state, run_until, k, guard, into):
-    buf = Buffer(metas, payloads, observe, total, guard)
+def _collect(metas, payloads, runner, k, guard, into):
+    """A scan inside a buffered step: every step into one buffer of the
+    scan's length, no callback; the buffer joins ``into`` as a Block (None
+    when the block would make the device buffer too large)."""
+    total, state = runner.total, runner.state
+    buf = Buffer(metas, payloads, runner.observe, total, guard)
     buf.prepare(state)
     if into.rows * total * buf.row_bytes() > _BLOCK_BYTES:
         return None
@@ -240,7 +296,7 @@ def _collect(metas, payloads, observe, total, state, run_until, k, guard, into):
 
     def c_body(cs):
         i, j, st, bufs = cs[0], cs[1], list(cs[2:2 + n_state]), list(cs[2 + n_state:])
-        i2, st2 = run_until(i, lax.add(i, k), st)
+        i2, st2 = runner.run_until(i, lax.add(i, k), st)
         j2, bufs2 = buf.write(None, j, i, list(st2), bufs)
         return (i2, j2, *st2, *bufs2)
 
@@ -281,8 +337,8 @@ def _scan_driver(walker, wants, params, stepped, path, top, args, side, gate=Non
     if wants[1] and not ys0:
         wants = (wants[0], False)  # a body returning (carry, None) has no outputs
     state = [*carry, *ys0, *side0]
-    out = _drive(walker, wants, path, top, length, state, run_until, lambda i, st: lax.lt(i, n),
-                 observe, uniform=True, side=side, collect=collect, gate=gate)
+    runner = Runner(state, run_until, lambda i, st: lax.lt(i, n), observe, length, uniform=True)
+    out = _drive(walker, wants, path, top, runner, side=side, collect=collect, gate=gate)
     return out[:ncar + nys]
 
 
@@ -382,9 +438,9 @@ def _tapped_while(walker, scope, path, top, wants, emits, cond, cnc, body, bnc, 
         return out[0], list(out[2:])
 
     side0 = [] if stepped is None else [_seam.empty_like(a) for a in stepped.out_avals[ncarry:]]
-    out = _drive(walker, wants, path, top, None, list(init) + side0, run_until,
-                 lambda i, st: user_cond(st[:ncarry]), lambda last, st: (st[:ncarry], [], st[ncarry:]),
-                 uniform=False, side=side, gate=gate)
+    runner = Runner(list(init) + side0, run_until, lambda i, st: user_cond(st[:ncarry]),
+                    lambda last, st: (st[:ncarry], [], st[ncarry:]), None, uniform=False)
+    out = _drive(walker, wants, path, top, runner, side=side, gate=gate)
     return out[:ncarry]
 
 

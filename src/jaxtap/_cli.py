@@ -372,9 +372,30 @@ def main(argv=None) -> int:
     script's own SystemExit code is returned unchanged)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser, ns = parse_args(argv)
-    script = ns.script
+    # validate everything before running anything (exit 2)
+    _check_script(parser, ns.script)
+    if not (ns.progress or ns.watch_nan or ns.print or ns.jsonl or ns.summary):
+        ns.summary = True
+    tqdm_cls = None
+    if ns.progress:
+        try:
+            from tqdm import tqdm as tqdm_cls
+        except ImportError:
+            parser.error(f"--progress needs tqdm, which is not installed: {DEMO_EXTRA}")
+    real_stderr = sys.stderr
+    progress = _Progress(tqdm_cls, real_stderr) if ns.progress else None
+    block, sink, writer = _make_block(parser, ns, progress)
+    err_tap = _StderrTap(real_stderr, progress, tqdm_cls) if real_stderr is not None else None
+    error, code, t0, t_end = _run_script(ns, block, progress, err_tap, real_stderr, writer)
+    if error is not None:
+        _print_exception(error, _script_traceback(error.__traceback__))
+        code = 130 if isinstance(error, KeyboardInterrupt) else 1
+    if ns.summary:
+        _report(ns.script, sink, err_tap, real_stderr, t0, t_end, error, code)
+    return code
 
-    # ---- validate everything before running anything (exit 2)
+
+def _check_script(parser, script) -> None:
     if not os.path.exists(script):
         parser.error(f"can't open file {script!r}: no such file or directory")
     if os.path.isdir(script) and not os.path.isfile(os.path.join(script, "__main__.py")):
@@ -384,15 +405,10 @@ def main(argv=None) -> int:
             open(script, "rb").close()
         except OSError as exc:
             parser.error(f"can't open file {script!r}: {exc.strerror}")
-    if not (ns.progress or ns.watch_nan or ns.print or ns.jsonl or ns.summary):
-        ns.summary = True
-    tqdm_cls = None
-    if ns.progress:
-        try:
-            from tqdm import tqdm as tqdm_cls
-        except ImportError:
-            parser.error(f"--progress needs tqdm, which is not installed: {DEMO_EXTRA}")
 
+
+def _make_block(parser, ns, progress):
+    """The script's with-block, its counting recorder and its JSONL writer."""
     import jaxtap as tap
 
     taps = []
@@ -401,7 +417,6 @@ def main(argv=None) -> int:
         taps += [tap.print(prim) for prim in (ns.print or [])]
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
-
     wants_carry = ns.progress or ns.summary or bool(ns.jsonl)
     max_depth = ns.max_depth
     if ns.progress and not (ns.summary or ns.jsonl) and max_depth is None:
@@ -410,12 +425,8 @@ def main(argv=None) -> int:
                select=None if (ns.jsonl and not ns.no_values) else _steps_only)
     if not wants_carry:
         cfg["where"] = _no_loops
-
-    real_stderr = sys.stderr
-    progress = _Progress(tqdm_cls, real_stderr) if ns.progress else None
     if progress is not None:
         cfg["on_step"] = progress
-
     writer = None
     if ns.jsonl:
         try:
@@ -425,13 +436,17 @@ def main(argv=None) -> int:
         writer = tap.JSONLWriter(ns.jsonl)
     sink = _Sink(writer)
     try:
-        block = tap.TapContext(recorder=sink, **cfg)
+        return tap.TapContext(recorder=sink, **cfg), sink, writer
     except (TypeError, ValueError) as exc:
         if writer is not None:
             writer.close()
         parser.error(str(exc))
 
-    # ---- run the script as __main__, like `python script.py`
+
+def _run_script(ns, block, progress, err_tap, real_stderr, writer):
+    """Run the script as ``__main__`` inside the block, like ``python script.py``.
+    Returns (the exception it raised or None, its exit code, start, end)."""
+    script = ns.script
     sys.argv = [script, *ns.args]
     if not sys.flags.safe_path:
         # a file: its directory, as `python script.py` does; a directory or zip: itself
@@ -440,12 +455,9 @@ def main(argv=None) -> int:
             sys.path[0] = where
         else:
             sys.path.insert(0, where)
-    err_tap = _StderrTap(real_stderr, progress, tqdm_cls) if real_stderr is not None else None
     if err_tap is not None:
         sys.stderr = err_tap
-
-    error = None  # an exception the script raised (not SystemExit)
-    code = 0
+    error, code = None, 0  # an exception the script raised (not SystemExit)
     t0 = time.perf_counter()
     try:
         try:
@@ -453,7 +465,7 @@ def main(argv=None) -> int:
                 runpy.run_path(os.path.abspath(script), run_name="__main__")
         except SystemExit as exc:
             code = exc.code
-        except BaseException as exc:  # noqa: BLE001 - reported as Python would, below
+        except BaseException as exc:  # noqa: BLE001 - reported as Python would, by main
             error = exc
     finally:
         t_end = time.perf_counter()
@@ -468,24 +480,23 @@ def main(argv=None) -> int:
                 sys.stderr = real_stderr
         if writer is not None:
             writer.close()
+    return error, code, t0, t_end
 
+
+def _report(script, sink, err_tap, real_stderr, t0, t_end, error, code) -> None:
+    """The --summary table, on the real stderr."""
     if error is not None:
-        _print_exception(error, _script_traceback(error.__traceback__))
-        code = 130 if isinstance(error, KeyboardInterrupt) else 1
-    if ns.summary:
-        if error is not None:
-            outcome = f"raised {type(error).__name__}, exit code {code}"
-        elif code is None or isinstance(code, int):
-            outcome = f"exit code {int(code or 0)}"
-        else:
-            outcome = "exit code 1"  # SystemExit("message")
-        fails = err_tap.fails if err_tap is not None else 0
-        try:
-            sys.stdout.flush()
-        except Exception:  # noqa: BLE001
-            pass
-        text = _format_summary(script, sink, fails, t0, t_end, outcome)
-        if err_tap is not None and err_tap.midline:
-            text = "\n" + text  # the script left stderr mid-line
-        _say(real_stderr if real_stderr is not None else sys.__stderr__, text)
-    return code
+        outcome = f"raised {type(error).__name__}, exit code {code}"
+    elif code is None or isinstance(code, int):
+        outcome = f"exit code {int(code or 0)}"
+    else:
+        outcome = "exit code 1"  # SystemExit("message")
+    fails = err_tap.fails if err_tap is not None else 0
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001
+        pass
+    text = _format_summary(script, sink, fails, t0, t_end, outcome)
+    if err_tap is not None and err_tap.midline:
+        text = "\n" + text  # the script left stderr mid-line
+    _say(real_stderr if real_stderr is not None else sys.__stderr__, text)

@@ -19,6 +19,7 @@ import time
 from typing import Optional
 
 from ._collectors import FlightRecorder
+from ._host import _say
 from . import _seam
 from ._version import __version__
 
@@ -359,14 +360,6 @@ def _print_exception(exc, tb) -> None:
         traceback.print_exception(type(exc), exc, tb)
 
 
-def _say(stream, text: str) -> None:
-    try:
-        stream.write(text)
-        stream.flush()
-    except Exception:  # noqa: BLE001
-        pass
-
-
 def main(argv=None) -> int:
     """Entry point of ``python -m jaxtap``; returns the exit status (the
     script's own SystemExit code is returned unchanged)."""
@@ -499,4 +492,4 @@ def _report(script, sink, err_tap, real_stderr, t0, t_end, error, code) -> None:
     text = _format_summary(script, sink, fails, t0, t_end, outcome)
     if err_tap is not None and err_tap.midline:
         text = "\n" + text  # the script left stderr mid-line
-    _say(real_stderr if real_stderr is not None else sys.__stderr__, text)
+    _say(text, real_stderr if real_stderr is not None else sys.__stderr__, end="")

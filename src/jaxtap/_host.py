@@ -22,15 +22,15 @@ class TapWarning(RuntimeWarning, UserWarning):
     (Also a ``UserWarning``, as in jax-tap 0.3.1, so filters on either work.)"""
 
 
-def _say(text: str) -> None:
-    """Write one line to stderr; never raise."""
+def _say(text: str, stream=None, end: str = "\n") -> None:
+    """Write ``text`` to ``stream`` (stderr as it is now); never raise."""
     try:
-        stream = sys.stderr
+        stream = sys.stderr if stream is None else stream
         if stream is None:
             return
-        stream.write(text + "\n")
+        stream.write(text + end)
         stream.flush()
-    except Exception:
+    except Exception:  # noqa: BLE001 - a closed or broken stream must not disturb the program
         pass
 
 

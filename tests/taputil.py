@@ -19,28 +19,45 @@ def sync(out=None):
     return out
 
 
-def bits_equal(a, b):
-    la, ta = jax.tree_util.tree_flatten(a)
-    lb, tb = jax.tree_util.tree_flatten(b)
-    if ta != tb:
+def is_key(x) -> bool:
+    dt = getattr(x, "dtype", None)
+    return dt is not None and jax.dtypes.issubdtype(dt, jax.dtypes.prng_key)
+
+
+def _leaf_bits(x):
+    if is_key(x):
+        return ("key", str(x.dtype), x.shape, np.asarray(jax.random.key_data(x)).tobytes())
+    a = np.ascontiguousarray(np.asarray(x))
+    return (type(x).__name__ if not isinstance(x, jax.Array) else "Array", str(a.dtype), a.shape, a.tobytes())
+
+
+def assert_bits(ref, got, what="", types=False):
+    """The one bitwise check: same tree, and per leaf the same dtype, shape
+    and bytes (PRNG keys compared by their key data); ``types``: the same
+    Python type too (a JAX array is not a NumPy one)."""
+    ref_leaves, ref_tree = jax.tree_util.tree_flatten(ref)
+    got_leaves, got_tree = jax.tree_util.tree_flatten(got)
+    assert ref_tree == got_tree, f"{what}: tree structure differs: {ref_tree} vs {got_tree}"
+    for i, (r, g) in enumerate(zip(ref_leaves, got_leaves)):
+        rb, gb = _leaf_bits(r), _leaf_bits(g)
+        k = 0 if types else 1
+        assert rb[k:3] == gb[k:3], f"{what}: leaf {i} type/dtype/shape differ: {rb[:3]} vs {gb[:3]}"
+        if rb[3] != gb[3]:
+            ra = np.asarray(jax.random.key_data(r) if is_key(r) else r)
+            ga = np.asarray(jax.random.key_data(g) if is_key(g) else g)
+            bad = np.flatnonzero(np.ascontiguousarray(ra).reshape(-1).view(np.uint8)
+                                 != np.ascontiguousarray(ga).reshape(-1).view(np.uint8))
+            raise AssertionError(
+                f"{what}: leaf {i} ({rb[1]}{list(rb[2])}) differs bitwise in {bad.size} bytes; "
+                f"first values ref={ra.reshape(-1)[:4]} tapped={ga.reshape(-1)[:4]}")
+
+
+def bits_equal(a, b) -> bool:
+    try:
+        assert_bits(a, b)
+        return True
+    except AssertionError:
         return False
-    for x, y in zip(la, lb):
-        x, y = np.asarray(x), np.asarray(y)
-        if x.dtype != y.dtype or x.shape != y.shape:
-            return False
-        if np.ascontiguousarray(x).tobytes() != np.ascontiguousarray(y).tobytes():
-            return False
-    return True
-
-
-def assert_bits(a, b):
-    la, ta = jax.tree_util.tree_flatten(a)
-    lb, tb = jax.tree_util.tree_flatten(b)
-    assert ta == tb, f"tree structure differs: {ta} vs {tb}"
-    for i, (x, y) in enumerate(zip(la, lb)):
-        x, y = np.asarray(x), np.asarray(y)
-        assert (x.dtype, x.shape) == (y.dtype, y.shape), f"leaf {i}: {x.dtype}{x.shape} vs {y.dtype}{y.shape}"
-        assert np.ascontiguousarray(x).tobytes() == np.ascontiguousarray(y).tobytes(), f"leaf {i} bits differ:\n{x!r}\n{y!r}"
 
 
 def run_python(script, *flags, timeout=300):

@@ -73,6 +73,7 @@ import numpy as np
 import pytest
 
 import jaxtap as tap
+from taputil import assert_bits, bits_equal as _bits_equal, is_key as _is_key
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -82,32 +83,8 @@ F32 = jnp.float32
 
 
 # ---------------------------------------------------------------- comparison
-def _is_key(x) -> bool:
-    dt = getattr(x, "dtype", None)
-    return dt is not None and jax.dtypes.issubdtype(dt, jax.dtypes.prng_key)
-
-
-def _leaf_bits(x):
-    if _is_key(x):
-        return ("key", str(x.dtype), x.shape, np.asarray(jax.random.key_data(x)).tobytes())
-    a = np.asarray(x)
-    return (type(x).__name__ if not isinstance(x, jax.Array) else "Array", str(a.dtype), a.shape, a.tobytes())
-
-
 def assert_bitwise(ref, got, what=""):
-    ref_leaves, ref_tree = jax.tree_util.tree_flatten(ref)
-    got_leaves, got_tree = jax.tree_util.tree_flatten(got)
-    assert ref_tree == got_tree, f"{what}: tree structure differs: {ref_tree} vs {got_tree}"
-    for i, (r, g) in enumerate(zip(ref_leaves, got_leaves)):
-        rb, gb = _leaf_bits(r), _leaf_bits(g)
-        assert rb[:3] == gb[:3], f"{what}: leaf {i} type/dtype/shape differ: {rb[:3]} vs {gb[:3]}"
-        if rb[3] != gb[3]:
-            ra, ga = np.asarray(r if not _is_key(r) else jax.random.key_data(r)), np.asarray(
-                g if not _is_key(g) else jax.random.key_data(g))
-            bad = np.flatnonzero(ra.reshape(-1).view(np.uint8) != ga.reshape(-1).view(np.uint8))
-            raise AssertionError(
-                f"{what}: leaf {i} ({rb[1]}{list(rb[2])}) differs bitwise in {bad.size} bytes; "
-                f"first values ref={ra.reshape(-1)[:4]} tapped={ga.reshape(-1)[:4]}")
+    assert_bits(ref, got, what, types=True)
 
 
 def _inexact_sum(out):
@@ -985,14 +962,6 @@ def test_identity_custom_rules_and_shared_parameters_under_autodiff(name, mode):
     test_identity(name, mode, "carry_default")
 
 
-def _bits_equal(a, b):
-    try:
-        assert_bitwise(a, b)
-        return True
-    except AssertionError:
-        return False
-
-
 def _jaxpr_roundtrip(fn):
     """``fn`` evaluated from its jaxpr, as ``tap.verbose`` evaluates it."""
     def run(*a):
@@ -1171,7 +1140,8 @@ _X64_SCRIPT = textwrap.dedent(r"""
     import importlib.util, sys
     import jax
     jax.config.update("jax_enable_x64", True)
-    import jax.numpy as jnp
+    import jax.numpy as jnp, os
+    sys.path.insert(0, os.path.dirname(sys.argv[1]))  # taputil, beside the corpus
     spec = importlib.util.spec_from_file_location("corpus", sys.argv[1])
     corpus = importlib.util.module_from_spec(spec)
     sys.modules["corpus"] = corpus

@@ -10,6 +10,7 @@ import numpy as np
 import jaxtap as tap
 from jaxtap import _seam
 from jaxtap._seam import stack as _stack
+from taputil import assert_bits  # noqa: E402
 
 
 def test_primitive_names_we_rewrite():
@@ -171,12 +172,7 @@ def test_scan_params_speak_consts_carry_xs_on_every_jax():
     params = _seam.scan_with_counter(eqn.params, new_body, extra_consts=1)
     outs = _seam.bind_original(_seam.scan_p, [w, np.int32(1), np.int32(0), jnp.float32(1.0), jnp.ones(3)], params)
     assert int(outs[0]) == 3, "scan_with_counter: the counter is the first carry"
-    assert_bits_equal(outs[1:], f(jnp.float32(1.0), jnp.ones(3)), "scan_with_counter: the user's outputs")
-
-
-def assert_bits_equal(a, b, what):
-    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-    assert len(la) == len(lb) and all(np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(la, lb)), what
+    assert_bits(list(outs[1:]), list(f(jnp.float32(1.0), jnp.ones(3))), "scan_with_counter: the user's outputs")
 
 
 def test_call_closed_stages_the_call_primitive_scan_lowers_with():

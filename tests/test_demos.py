@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 DEMO_DIR = Path(__file__).resolve().parent.parent / "demo"
 DEMOS = sorted(DEMO_DIR.glob("[0-9]*.py"))
 

@@ -79,6 +79,8 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 F32 = jnp.float32
 
 

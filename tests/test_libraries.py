@@ -16,6 +16,8 @@ import pytest
 import jaxtap as tap
 from taputil import assert_bits, sync
 
+pytestmark = pytest.mark.slow
+
 eqx = pytest.importorskip("equinox")
 
 

@@ -9,6 +9,7 @@ import textwrap  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 
 def sync(out=None):
@@ -66,3 +67,11 @@ def run_python(script, *flags, timeout=300):
     env.pop("JAX_ENABLE_X64", None)
     return subprocess.run([sys.executable, *flags, "-c", textwrap.dedent(script)],
                           capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def cases(gaps):
+    """pytest params named by ``gaps`` (name -> None, or the reason of a known
+    gap): a gap is a strict xfail, run and counted."""
+    for name, gap in gaps.items():
+        marks = [pytest.mark.xfail(strict=True, reason=gap)] if gap else []
+        yield pytest.param(name, marks=marks, id=name)

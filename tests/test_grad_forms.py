@@ -5,7 +5,7 @@ import collections
 import jax
 import jax.numpy as jnp
 import pytest
-from taputil import assert_bits, sync
+from taputil import assert_bits, cases, sync
 
 import jaxtap as tap
 
@@ -85,13 +85,7 @@ CUSTOM = {
 }
 
 
-def _custom_params():
-    for name, (_, _, gap) in CUSTOM.items():
-        marks = [pytest.mark.xfail(strict=True, reason=gap)] if gap else []
-        yield pytest.param(name, marks=marks, id=name)
-
-
-@pytest.mark.parametrize("name", list(_custom_params()))
+@pytest.mark.parametrize("name", list(cases({name: gap for name, (_, _, gap) in CUSTOM.items()})))
 def test_loops_in_custom_rules_emit_under_autodiff_in_both_forms(name):
     fn, transform, _ = CUSTOM[name]
     g = transform(fn)

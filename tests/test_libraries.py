@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jaxtap as tap
-from taputil import assert_bits, sync
+from taputil import assert_bits, cases, sync
 
 pytestmark = pytest.mark.slow
 
@@ -153,13 +153,7 @@ def _stream(events):
     return out
 
 
-def _params():
-    for name, (_, gap) in WORKLOADS.items():
-        marks = [pytest.mark.xfail(strict=True, reason=gap)] if gap else []
-        yield pytest.param(name, marks=marks, id=name)
-
-
-@pytest.mark.parametrize("name", list(_params()))
+@pytest.mark.parametrize("name", list(cases({name: gap for name, (_, gap) in WORKLOADS.items()})))
 def test_library_workload_in_both_forms(name):
     build, _ = WORKLOADS[name]
     fn, args = build()

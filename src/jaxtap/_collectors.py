@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import collections
-from typing import Any, Iterator, List, Optional
+from typing import Iterator, List, Optional
 
 import numpy as np
 

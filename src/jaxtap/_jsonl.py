@@ -328,29 +328,19 @@ def iter_jsonl(path, *, errors: str = "raise") -> Iterator[TapEvent]:
     _check_errors(errors)
     bad, first_bad = 0, None
     with open(path, "rb") as fh:
-        lineno, pending = 0, None  # pending: (lineno, raw) of the line before, parsed lazily
-        for raw in fh:
-            lineno += 1
-            if pending is not None:
-                event, why = _parse(pending[1])
-                if why is None:
-                    yield event
-                elif errors == "raise":
-                    raise ValueError(f"jax-tap: {path}, line {pending[0]}: {why}")
-                else:
-                    bad, first_bad = bad + 1, first_bad or (pending[0], why)
-            pending = (lineno, raw) if raw.strip() else None
-        if pending is not None:
-            event, why = _parse(pending[1])
+        for lineno, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue
+            event, why = _parse(raw)
             if why is None:
                 yield event
-            elif not pending[1].endswith(b"\n"):
-                _warn(f"jax-tap: {path}: the last line ({pending[0]}) was cut mid-write (a crashed run?) "
-                      f"and is dropped; the {pending[0] - 1} lines before it are kept.")
+            elif not raw.endswith(b"\n"):  # only the last line can lack its newline: cut mid-write
+                _warn(f"jax-tap: {path}: the last line ({lineno}) was cut mid-write (a crashed run?) "
+                      f"and is dropped; the {lineno - 1} lines before it are kept.")
             elif errors == "raise":
-                raise ValueError(f"jax-tap: {path}, line {pending[0]}: {why}")
+                raise ValueError(f"jax-tap: {path}, line {lineno}: {why}")
             else:
-                bad, first_bad = bad + 1, first_bad or (pending[0], why)
+                bad, first_bad = bad + 1, first_bad or (lineno, why)
     if bad:
         _warn(f"jax-tap: {path}: skipped {bad} unreadable line{'s' if bad > 1 else ''}; "
               f"the first is line {first_bad[0]}: {first_bad[1]}")

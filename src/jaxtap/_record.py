@@ -358,7 +358,8 @@ def _intercept_expanding(prim, ctx, args, params):
             ctx._names_seen.update(tappable_names(expanded.jaxpr))
             for name, site in _seam.top_loops(expanded.jaxpr):
                 ctx._sites.index(name, site)  # program order, as for a loop bound here
-            return handler_for(prim)(walker, None, params, list(args), walker.top_scope(), _seam.current_site())
+            # (no site: the expansion's own loops carry theirs)
+            return handler_for(prim)(walker, None, params, list(args), walker.top_scope(), None)
         except TapSelectError:
             raise
         except Exception as exc:  # noqa: BLE001 - our failure must not be the user's

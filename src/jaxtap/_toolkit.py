@@ -9,7 +9,6 @@ from typing import Callable, Optional
 
 import jax
 
-from . import _seam
 from . import _loops  # noqa: F401 - registers the scan and while rules
 from ._transform import tappable_names
 from ._event import TapEvent

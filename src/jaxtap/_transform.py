@@ -25,10 +25,10 @@ import numpy as np
 from jax import lax
 
 from . import _seam
-from ._rules import RULES, bind as _bind, bool_aval as _bool_aval, both as _both, int32_aval as _int32_aval, register, ruled_names
 from ._emit import Meta, Side, TapSelectError, emit, finite_flag, run_select
 from ._options import Plan, PrimTap
-
+from ._rules import RULES, register, ruled_names
+from ._rules import bind as _bind, bool_aval as _bool_aval, both as _both, int32_aval as _int32_aval
 
 
 class WhereError(TypeError):

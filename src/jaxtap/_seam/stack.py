@@ -251,7 +251,8 @@ def inside_loop_body_trace(is_loop=False) -> bool:
 
 # JAX's transformation rules run here: a primitive bound inside one is the
 # rule re-binding it (a JVP's tangent solve, a batched variant), not the user
-_RULE_FRAMES = tuple(os.path.join("jax", "_src", "interpreters", f) for f in ("ad.py", "batching.py", "partial_eval.py"))
+_PARTIAL_EVAL = os.path.join("jax", "_src", "interpreters", "partial_eval.py")
+_RULE_FRAMES = tuple(os.path.join("jax", "_src", "interpreters", f) for f in ("ad.py", "batching.py")) + (_PARTIAL_EVAL,)
 
 
 def impl_bind_is_nested() -> bool:
@@ -280,7 +281,7 @@ def in_custom_body_trace() -> bool:
     while frame is not None:
         code = frame.f_code
         if code.co_name in ("process_custom_jvp_call", "process_custom_vjp_call") \
-                and code.co_filename.endswith(_RULE_FRAMES[2]):
+                and code.co_filename.endswith(_PARTIAL_EVAL):
             return True
         frame = frame.f_back
     return False

@@ -8,12 +8,11 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from .eqns import ClosedJaxpr, Tracer, closed_call_p, hi_call_p, impl_of, jit_p, loop_scope
 from .stack import differentiated, differentiating, quiet
 from .versions import internal
-
-from jax.custom_derivatives import SymbolicZero
 
 __all__ = [
     "trace_closed",
@@ -250,8 +249,8 @@ _IMPL_EXPANSIONS: dict = {}  # id(params) -> (params, avals, expansion or None)
 
 def impl_expansion(prim, params, avals, eqn=None):
     """The closed jaxpr ``prim`` lowers to (its implementation traced on
-    ``avals``, as its ``lower_fun`` lowering does), or None. Under ``eqn``'s
-    name stack, so a backward solve's loops are told apart from the forward's."""
+    ``avals``, as its ``lower_fun`` lowering does), or None; its equations
+    carry ``eqn``'s name stack and the Python stack of their own binds."""
     key = id(params)
     hit = _IMPL_EXPANSIONS.get(key)
     if hit is not None and hit[0] is params and hit[1] == avals:

@@ -201,3 +201,22 @@ def test_lineax_solve_under_vmap_reports_each_lane_in_both_forms():
     assert_bits(got_w, ref)
     assert sorted((e.path, e.step) for e in seen) == sorted((e.path, e.step) for e in rec.events)
     assert len(rec.events) == 6 and {e.path for e in rec.events} == {"while[0]"}
+
+
+@pytest.mark.parametrize("transform", ["jit", "jacfwd", "jit_grad", "vmap_grad"])
+def test_lineax_solve_identity_under_transformations(transform):
+    # the expanded custom primitive: outputs and derivatives, forward and
+    # reverse mode, bitwise in both forms
+    solve, (A, b) = _lineax_cg()
+    loss = lambda A, b: solve(A, b).sum()  # noqa: E731
+    fn = {"jit": jax.jit(solve), "jacfwd": jax.jacfwd(solve), "jit_grad": jax.jit(jax.grad(loss)),
+          "vmap_grad": jax.vmap(jax.grad(loss), in_axes=(None, 0))}[transform]
+    args = (A, jnp.stack([b, 2.0 * b])) if transform == "vmap_grad" else (A, b)
+    want = sync(fn(*args))
+    seen = []
+    got_v = sync(tap.verbose(fn, on_step=seen.append, select=lambda leaves: ())(*args))
+    with tap.record(select=lambda leaves: ()) as rec:
+        got_w = sync(fn(*args))
+    assert_bits(got_v, want)
+    assert_bits(got_w, want)
+    assert seen and rec.events

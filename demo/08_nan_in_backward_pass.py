@@ -8,16 +8,16 @@ the state back to rest at step 2 and pauses at step 3: c = x = 0 there. The forw
 a zero: the gradient is NaN, and after one optimizer step every parameter
 is NaN. The user sees "loss: 3.2, then nan" and starts bisecting data.
 
-jax-tap: a forward NaN watch on the loss is silent - nothing is born there.
-Tapping the differentiated function, `tap.record(jax.grad(loss),
-taps=[tap.watch_nan()])` (no primitive name: report NaN/Inf *birth sites*,
-equations whose inputs are finite and whose output is not), prints one live
-line: the `div` of sqrt's derivative at the exact step, in the loop where
-JAX computes it (the forward sweep of the differentiated program, whose
-residuals the backward loop then turns into NaN).
-A forward carry tap cross-checks that step (it is where c and x are both 0);
-the tapped gradient is bitwise the untapped one; the fix (sqrt(u + eps))
-trains.
+jax-tap: a forward NaN watch on the loss is silent - nothing is born there
+(`tap.watch_nan()` with no primitive name reports NaN/Inf *birth sites*,
+equations whose inputs are finite and whose output is not). Tapping the
+differentiated function, `tap.record(jax.grad(loss),
+taps=[tap.watch_nan("mul")])`, watches the backward loop JAX builds for the
+scan (`scan[1]`): live `[tap] FAIL` lines name the first backward step whose
+products turn non-finite. The backward loop walks the forward steps in
+reverse, so its step k is forward step T-1-k; a forward carry tap
+cross-checks that step (it is where c and x are both 0). The tapped
+gradient is bitwise the untapped one; the fix (sqrt(u + eps)) trains.
 """
 import sys
 
@@ -70,13 +70,15 @@ def main():
     fwd_births = [e for e in fwd.events if e.kind == "primitive"]
     print(f"forward pass watched: loss {float(value):.3f}, NaN/Inf births: {len(fwd_births)} (silent)")
 
-    print("tapping jax.grad(loss) with tap.watch_nan() (birth sites):")
-    grad_watched, rec = tap.record(jax.grad(loss), taps=[tap.watch_nan()])
+    print("tapping jax.grad(loss) with tap.watch_nan('mul'):")
+    grad_watched, rec = tap.record(jax.grad(loss), taps=[tap.watch_nan("mul", once=True)])
     g_tapped = jax.block_until_ready(grad_watched(w0, XS))
     jax.effects_barrier()
-    births = [e for e in rec.events if e.kind == "primitive"]
-    for e in births:
-        print(f"  born at {e.path}, step {e.step}/{e.total}")
+    fails = [e for e in rec.events if e.kind == "primitive" and e.path.startswith("scan[1]/")]
+    first = min(fails, key=lambda e: e.step)
+    forward_step = first.total - 1 - first.step
+    print(f"  first non-finite product in the backward loop at its step {first.step}/{first.total}"
+          f" = forward step {forward_step}")
     g_clean = jax.grad(loss)(w0, XS)
     same = np.asarray(g_tapped).tobytes() == np.asarray(g_clean).tobytes()
     print(f"gradient {float(g_clean)}; tapped gradient bitwise identical: {same}")
@@ -92,10 +94,9 @@ def main():
     print(f"fix sqrt(c**2 + x**2 + 1e-12): loss {' -> '.join(f'{v:.3f}' for v in fixed_history)}, "
           f"w = {float(w_fixed):.4f}")
 
-    ok = (same and np.isnan(history[-1]) and np.isfinite(history[0]) and not fwd_births and len(births) == 1
-          and births[0].path.startswith("scan[0]/") and births[0].step == at_rest[0]
-          and births[0].total == XS.shape[0] and np.isfinite(fixed_history).all()
-          and fixed_history[-1] < fixed_history[0])
+    ok = (same and np.isnan(history[-1]) and np.isfinite(history[0]) and not fwd_births
+          and forward_step == at_rest[0] and first.total == XS.shape[0]
+          and np.isfinite(fixed_history).all() and fixed_history[-1] < fixed_history[0])
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

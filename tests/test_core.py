@@ -1,5 +1,6 @@
 """The core transform and the wrapping form: options, addressing, caching,
 bad input, totality and the things the walker must leave alone."""
+import collections
 import functools
 import warnings
 
@@ -84,21 +85,54 @@ def test_keyword_and_static_python_arguments_work_as_for_f():
     assert len(seen) == 3 * (3 + 5)
 
 
-def test_repeated_calls_trace_once_per_signature():
-    traces = []
+def test_verbose_runs_f_as_written_and_jit_traces_once_per_signature():
+    """The wrapper calls ``f`` itself each time (eager Python runs as it
+    would untapped); under ``jax.jit`` it is traced once per signature, and
+    a pre-jitted ``f`` compiles its tapped twin once."""
+    runs = []
 
     def f(x0, xs):
-        traces.append(1)
+        runs.append(1)
         return scan_while(x0, xs)
 
-    g = tap.verbose(f, on_step=lambda e: None)
-    for _ in range(5):
+    seen = []
+    g = tap.verbose(f, on_step=seen.append)
+    for _ in range(3):
         sync(g(*ARGS))
-    assert len(traces) == 1
-    sync(g(jnp.zeros(2), jnp.ones((4, 2))))
-    assert len(traces) == 2
+    assert len(runs) == 3 and len(seen) > 0
+    runs.clear()
+    h = jax.jit(g)
+    for _ in range(3):
+        sync(h(*ARGS))
+    assert len(runs) == 1
+    sync(h(jnp.zeros(2), jnp.ones((4, 2))))
+    assert len(runs) == 2
+    runs.clear()
+    fj = jax.jit(f)
+    sync(fj(*ARGS))  # compiled clean first
+    gj = tap.verbose(fj, on_step=seen.append)
+    n = len(seen)
+    for _ in range(3):
+        sync(gj(*ARGS))
+    assert len(runs) == 2  # one clean trace, one tapped trace
+    assert len(seen) > n
+    n = len(seen)
+    sync(fj(*ARGS))  # the clean compilation again: no events, no trace
+    assert len(runs) == 2 and len(seen) == n
+
+
+def test_a_wrappers_addresses_do_not_depend_on_where_it_is_called():
+    seen = []
+    g = tap.verbose(jax.jit(scan_while), on_step=seen.append)
     sync(g(*ARGS))
-    assert len(traces) == 2
+    first = collections.Counter(e.path for e in seen)
+    seen.clear()
+    sync(g(jnp.zeros(2), jnp.ones((4, 2))))  # a retrace, from another line
+    eager = tap.verbose(scan_while, on_step=seen.append)
+    sync(eager(*ARGS))
+    sync(eager(*ARGS))
+    assert first == {"scan[0]": 4, "scan[0]/while[0]": 12}
+    assert collections.Counter(e.path for e in seen) == {"scan[0]": 12, "scan[0]/while[0]": 36}
 
 
 def test_verbose_method_binding():
@@ -385,7 +419,14 @@ def test_vmap_of_verbose_and_verbose_of_vmap_with_while_loops():
     assert_bits(sync(tap.verbose(jax.vmap(f), on_step=inner.append, select=lambda l: l[1]))(xs), expected)
     # per-lane steps: lane 0 runs 4 steps (1, 3, 7, 15), lane 1 runs 2 (7, 15), lane 2 one (20)
     assert sorted(float(e.value) for e in outer) == [1.0, 3.0, 7.0, 7.0, 15.0, 15.0, 20.0]
-    assert len(inner) == 4  # the batched loop itself: 4 iterations of all lanes
+    # the wrapper runs vmap(f) as written: the loop is tapped where f binds
+    # it, lane by lane, as in vmap(verbose(f)) and in a with-block
+    key = lambda e: (e.lane, e.step)
+    assert [(e.path, e.step, e.lane, float(e.value)) for e in sorted(inner, key=key)] == \
+        [(e.path, e.step, e.lane, float(e.value)) for e in sorted(outer, key=key)]
+    with tap.record(select=lambda l: l[1]) as rec:
+        assert_bits(sync(jax.vmap(f)(xs)), expected)
+    assert sorted(rec.events, key=key) == sorted(inner, key=key)
 
 
 def test_vmap_ships_all_lanes_in_one_hop_per_step(monkeypatch):

@@ -77,9 +77,14 @@ def test_each_lane_sees_what_it_ran(f, flush_every):
 
 
 def test_wrapping_a_vmapped_while_with_a_primitive_tap():
-    # the while is batched before jax-tap sees it: taps see every lane as one value
+    # the wrapper runs vmap(f) as written: the loop and its primitive are
+    # tapped where f binds them, lane by lane, as in a with-block
     seen = []
-    g = tap.verbose(jax.vmap(cond_in_while), taps=[tap.on("sin", alert=lambda v: seen.append(v) or False)])
+    cfg = dict(taps=[tap.on("sin")], select=lambda leaves: leaves[-1])
+    g = tap.verbose(jax.vmap(cond_in_while), on_step=seen.append, **cfg)
     out = sync(g(X))
     assert_bits(out, jax.vmap(cond_in_while)(X))
-    assert seen and all(v[0].shape == (4,) for v in seen)  # the outputs' tuple
+    with tap.record(**cfg) as rec:
+        sync(jax.vmap(cond_in_while)(X))
+    assert any(e.kind == "primitive" for e in seen)
+    assert dict(_streams(seen)) == dict(_streams(rec.events)) == dict(_lane_by_lane(cond_in_while, **cfg))

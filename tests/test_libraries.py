@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jaxtap as tap
-from taputil import assert_bits, cases, sync
+from taputil import assert_bits, sync
 
 pytestmark = pytest.mark.slow
 
@@ -127,21 +127,16 @@ def _flax_linen_sgd():
     return jax.jit(fit), (params, jnp.ones((4, 2)))
 
 
-_GAP_ADDRESS = "library loops excluded from JAX tracebacks share a with-form address (README: Known boundaries)"
-_GAP_BACKWARD = ("the backward pass of Equinox's checkpointed while loop: the with-form reports it as a top-level "
-                 "loop, the wrapping form inside the forward loop's address (README: Known boundaries)")
-_GAP_INIT = ("tap.verbose traces f: numpyro's eager-only early exit is not taken, so it reports an "
-             "initialization loop the program never runs (README: Known boundaries)")
 WORKLOADS = {
-    "equinox_filter_jit": (_eqx_filter_jit, None),
-    "lineax_cg": (_lineax_cg, None),
-    "lineax_cg_grad": (_lineax_cg_grad, None),
-    "optimistix_newton": (_optimistix_newton, None),
-    "diffrax_tsit5": (_diffrax_tsit5, _GAP_ADDRESS),
-    "diffrax_dopri5_grad": (_diffrax_dopri5_grad, _GAP_BACKWARD),
-    "optax_adam": (_optax_adam, None),
-    "numpyro_nuts": (_numpyro_nuts, _GAP_INIT),
-    "flax_linen_sgd": (_flax_linen_sgd, None),
+    "equinox_filter_jit": _eqx_filter_jit,
+    "lineax_cg": _lineax_cg,
+    "lineax_cg_grad": _lineax_cg_grad,
+    "optimistix_newton": _optimistix_newton,
+    "diffrax_tsit5": _diffrax_tsit5,
+    "diffrax_dopri5_grad": _diffrax_dopri5_grad,
+    "optax_adam": _optax_adam,
+    "numpyro_nuts": _numpyro_nuts,
+    "flax_linen_sgd": _flax_linen_sgd,
 }
 
 
@@ -153,10 +148,9 @@ def _stream(events):
     return out
 
 
-@pytest.mark.parametrize("name", list(cases({name: gap for name, (_, gap) in WORKLOADS.items()})))
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
 def test_library_workload_in_both_forms(name):
-    build, _ = WORKLOADS[name]
-    fn, args = build()
+    fn, args = WORKLOADS[name]()
     ref = sync(fn(*args))
     seen = []
     got_verbose = sync(tap.verbose(fn, on_step=seen.append)(*args))
@@ -169,6 +163,21 @@ def test_library_workload_in_both_forms(name):
     paths_w = collections.Counter(e.path for e in rec.events)
     assert paths_v == paths_w, f"addresses differ: verbose {dict(paths_v)} vs with-form {dict(paths_w)}"
     assert _stream(seen) == _stream(rec.events), "the two forms deliver different event streams"
+
+
+@pytest.mark.parametrize("name", ["diffrax_tsit5", "diffrax_dopri5_grad", "optimistix_newton", "numpyro_nuts"])
+def test_distinct_loops_get_distinct_addresses(name):
+    """Every address names one loop: its events all have the same carry
+    structure (leaf count). Equinox binds every loop it runs (outer, inner,
+    backward) from one line of its own, which JAX counts as the user's."""
+    fn, args = WORKLOADS[name]()
+    with tap.record() as rec:
+        sync(fn(*args))
+    shapes = collections.defaultdict(set)
+    for e in rec.events:
+        if e.kind == "carry":
+            shapes[e.path].add(len(jax.tree_util.tree_leaves(e.value)))
+    assert shapes and all(len(s) == 1 for s in shapes.values()), dict(shapes)
 
 
 def test_lineax_solve_loop_is_tapped_and_a_cached_trace_still_differentiates():
@@ -220,3 +229,19 @@ def test_lineax_solve_identity_under_transformations(transform):
     assert_bits(got_v, want)
     assert_bits(got_w, want)
     assert seen and rec.events
+
+
+def test_a_library_loop_keeps_its_address_when_its_shapes_change():
+    """A library line's loops are told apart by carry structure (leaf count,
+    dtypes, ranks), never by shapes: one loop, one address, call after call."""
+    import equinox.internal as eqxi
+
+    def f(x):
+        return eqxi.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2.0), (0, x),
+                               max_steps=5, kind="checkpointed")[1]
+
+    seen = []
+    g = tap.verbose(f, on_step=seen.append, select=lambda leaves: ())
+    for n in (2, 5, 3):
+        assert_bits(sync(g(jnp.ones(n))), f(jnp.ones(n)))
+    assert {e.path for e in seen} == {"while[0]"} and len(seen) == 9

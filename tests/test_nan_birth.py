@@ -1,5 +1,6 @@
 """`tap.watch_nan()` with no name: where was the first NaN born?"""
 import jax
+import numpy as np
 import jax.numpy as jnp
 
 import jaxtap as tap
@@ -59,7 +60,10 @@ def test_finite_program_is_silent_and_identical(capfd):
     assert lines(capfd.readouterr().err) == []
 
 
-def test_birth_in_the_backward_pass_is_found_by_tapping_grad(capfd):
+def test_nan_of_the_backward_pass_is_found_in_the_backward_loop_in_both_forms(capfd):
+    """d/dx sqrt at 0 is 1/0: the forward pass is finite, the backward loop
+    JAX builds turns it into NaN. Tapping the differentiated function (either
+    form) watches that loop; it counts the forward steps down."""
     def loss(x):
         def body(c, t):
             return c + jnp.sqrt(c**2 + (x * t) ** 2), None  # d/dx sqrt at 0 is 0/0
@@ -67,9 +71,15 @@ def test_birth_in_the_backward_pass_is_found_by_tapping_grad(capfd):
 
     sync(tap.verbose(loss, taps=[tap.watch_nan()])(jnp.float32(0.0)))
     assert lines(capfd.readouterr().err) == []  # forward is finite
-    sync(tap.verbose(jax.grad(loss), taps=[tap.watch_nan()])(jnp.float32(0.0)))
+    seen = []
+    g = tap.verbose(jax.grad(loss), on_step=seen.append, taps=[tap.watch_nan("mul", once=True)])
+    assert np.isnan(sync(g(jnp.float32(0.0))))
     found = lines(capfd.readouterr().err)
-    assert len(found) == 1 and "born here" in found[0]
+    assert found and all(x.startswith("[tap] FAIL scan[1]/mul[") and " 0/2: " in x for x in found)
+    with tap.record(taps=[tap.watch_nan("mul", once=True)]) as rec:
+        sync(jax.grad(loss)(jnp.float32(0.0)))
+    assert lines(capfd.readouterr().err) == found
+    assert [(e.path, e.step) for e in rec.events] == [(e.path, e.step) for e in seen]
 
 
 def test_birth_watch_with_prng_key_carry(capfd):

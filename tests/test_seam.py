@@ -123,12 +123,12 @@ def test_autodiff_tangent_traces_are_recognised():
 
     @f.defjvp
     def f_jvp(primals, tangents):
-        seen.append(_stack._in_derivative_code())
+        seen.append(_stack.in_derivative_code())
         return jnp.sin(primals[0]), tangents[0] * jnp.cos(primals[0])
 
     jax.grad(f)(1.0)
     assert seen and any(seen)
-    assert not _stack._in_derivative_code()
+    assert not _stack.in_derivative_code()
 
 
 # ---------------------------------------------------------------- per-version vocabulary
@@ -319,4 +319,4 @@ def test_the_wrapping_form_runs_untapped_when_the_rewrite_fails(monkeypatch):
         warnings.simplefilter("always")
         out = tap.verbose(f, on_step=seen.append)(jnp.float32(1.0))
     assert float(out) == 3.375 and seen == []
-    assert any("runs untapped" in str(x.message) and "num_consts" in str(x.message) for x in w)
+    assert any("untapped" in str(x.message) and "num_consts" in str(x.message) for x in w)

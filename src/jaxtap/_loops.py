@@ -32,7 +32,7 @@ def handle_scan(walker, eqn, params, invals, scope, site):
     scan, and the driver runs on gradient-stopped inputs for the events.
     """
     body, nc, ncar, length = _seam.scan_parts(params)
-    path, top = scope.address("scan", site)
+    path, top = scope.address("scan", _seam.loop_site(_seam.scan_p, params, site))
     wants = walker.loop_wants("scan", path)
     emits = any(wants)
     if not emits and not walker.needs(body.jaxpr):
@@ -354,7 +354,7 @@ def handle_while(walker, eqn, params, invals, scope, site):
     mode), the derivatives are those of the user's own loop.
     """
     cond, cnc, body, bnc = _seam.while_parts(params)
-    path, top = scope.address("while", site)
+    path, top = scope.address("while", _seam.loop_site(_seam.while_p, params, site))
     wants = walker.loop_wants("while", path)
     emits = any(wants)
     if not emits and not walker.needs(body.jaxpr):

@@ -125,6 +125,7 @@ class Walker:
         self.sinks = sinks
         self.sites = sites
         self._needs: dict = {}
+        self.eager: dict = {}  # loop equation -> its tapped, jitted twin (see _lens._eager_tapped)
         self._tap_names = plan.tapped_names
         self._births = [(i, t) for i, t in enumerate(plan.prim_taps) if t.prim is None]
         # with flush_every, a loop step collects what its body ships (primitive
@@ -519,11 +520,3 @@ def tappable_names(jaxpr) -> dict:
     never the inside of a primitive it binds unchanged (a linear solve's
     operator, ``shard_map``, ``pallas_call``)."""
     return _seam.collect_names(jaxpr, into=ruled_names())
-
-
-def rewrite_program(walker: Walker, closed):
-    """Rewrite a whole traced program (the B-form's entry point)."""
-    if not walker.needs(closed.jaxpr):
-        return closed
-    return walker.rewrite_closed(closed, lambda extra: walker.top_scope())
-

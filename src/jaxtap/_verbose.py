@@ -1,35 +1,28 @@
 """The wrapping form: ``tap.verbose(f)``.
 
-The wrapper traces ``f`` once per input signature, rewrites the jaxpr (see
-``_transform``), caches the result and evaluates it with
-``jax.core.eval_jaxpr`` - eagerly when called eagerly, so every equation
-dispatches exactly as ``f``'s own would, or into whatever trace (jit, vmap,
-grad) the caller is under.
+Each call of the wrapper opens a call scope (``_lens.CallScope``) and calls
+``f`` as written inside it: eagerly when called eagerly, or into whatever
+trace (jit, vmap, grad) the caller is under. The loops ``f`` executes are
+intercepted and rewritten exactly as a ``with tap.record()`` block's are, so
+``f`` keeps its eager semantics (Python branches, inline jits) and both
+forms give the same addresses and events by construction.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
 from typing import Callable, Optional
 
-import jax
-
 from . import _seam
-from ._host import Consumers, Guard, warn_once_now
+from ._host import Consumers, warn_once_now
+from ._lens import CallScope, SiteIndex, Token
 from ._options import build_plan, check_host_callables
 from ._toolkit import prim_consumers, warn_unmatched
-from ._emit import TapSelectError
-from . import _loops  # noqa: F401 - registers the scan and while rules
-from ._transform import SiteIndex, Sinks, Walker, WhereError, rewrite_program, tappable_names
-
-_MAX_CACHE = 64
 
 
 class Tapped:
     """A function observed by jax-tap; call it exactly like the original."""
 
-    def __init__(self, f: Callable, walker: Walker, consumers: Consumers, prims, observes: bool):
+    def __init__(self, f: Callable, plan, consumers: Consumers, prims):
         # the wrapped callable's own attributes show through, except where
         # they would shadow our methods (Equinox's filter_jit has a
         # `_signature`); our instance attributes are assigned after the copy
@@ -39,94 +32,39 @@ class Tapped:
             if key not in methods and key not in self.__dict__:
                 self.__dict__[key] = value
         self.__wrapped__ = f
-        self._walker = walker
+        self._plan = plan
+        self._token = Token(None, plan, owner=self)
         self._consumers = consumers
         self._prims = prims
-        self._observes = observes
-        self._cache: dict = {}
-        self._lock = threading.Lock()
+        self._observes = plan.active
+        self._sites = SiteIndex()  # this wrapper's top-level addresses (see _lens._Router)
+        self._names_seen: set = set()
         self._warned_names = False
 
     def __get__(self, obj, objtype=None):
         return self if obj is None else functools.partial(self, obj)
 
-    def _signature(self, leaves, treedef):
-        dyn, key = [], [treedef]
-        for i, x in enumerate(leaves):
-            if _seam.is_array_like(x):
-                dyn.append(x)
-                aval = _seam.abstractify(x)
-                key.append((i, aval.shape, str(aval.dtype), getattr(aval, "weak_type", False)))
-            else:
-                key.append((i, "static", type(x), x))
-        try:
-            key = tuple(key)
-            hash(key)
-        except TypeError:
-            key = None
-        return dyn, key
-
-    def _build(self, leaves, treedef, dyn, differentiated, eager):
-        positions = [i for i, x in enumerate(leaves) if _seam.is_array_like(x)]
-        f = self.__wrapped__
-        dispatch = _seam.eager_dispatch() if eager else contextlib.nullcontext()
-
-        def flat(*dyn_args):
-            if eager:
-                dispatch.top()
-            full = list(leaves)
-            for i, v in zip(positions, dyn_args):
-                full[i] = v
-            args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
-            return f(*args, **kwargs)
-
-        with _seam.quiet(), dispatch:
-            closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*dyn)
-            if not self._warned_names and self._walker.plan.prim_taps:
-                self._warned_names = True
-                warn_unmatched(self._walker.plan.prim_taps, tappable_names(closed.jaxpr))
-            # called under autodiff: loops are rewritten so that JAX
-            # differentiates the user's own loop equations directly
-            with _seam.differentiated(True if differentiated else None):
-                try:
-                    rewritten = rewrite_program(self._walker, closed)
-                except (TapSelectError, WhereError):
-                    raise  # the user's select/where: bad input, said clearly
-                except Exception as exc:  # noqa: BLE001 - our failure must not be the user's
-                    name = getattr(self.__wrapped__, "__qualname__", "a function")
-                    warn_once_now(f"jax-tap: could not tap {name} ({type(exc).__name__}: {exc}); it runs untapped.")
-                    rewritten = closed
-        out_tree = jax.tree_util.tree_structure(out_shape)
-        cacheable = not any(isinstance(c, _seam.Tracer) for c in rewritten.consts)
-        return rewritten, out_tree, cacheable
-
     def __call__(self, *args, **kwargs):
+        f = self.__wrapped__
         if not self._observes:
-            return self.__wrapped__(*args, **kwargs)
+            return f(*args, **kwargs)
         if _seam.jit_disabled():
             _warn_disabled()
-            return self.__wrapped__(*args, **kwargs)  # op by op, as f would run: nothing to tap
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        dyn, key = self._signature(leaves, treedef)
-        differentiated = _seam.differentiating()
-        eager = not differentiated and _seam.at_base_trace()  # evaluated op by op, as f runs eagerly
-        key = None if key is None else (key, differentiated, eager)
-        entry = self._cache.get(key) if key is not None else None
-        if entry is None:
-            rewritten, out_tree, cacheable = self._build(leaves, treedef, dyn, differentiated, eager)
-            if key is not None and cacheable:
-                with self._lock:
-                    if len(self._cache) >= _MAX_CACHE:
-                        self._cache.pop(next(iter(self._cache)))
-                    self._cache[key] = (rewritten, out_tree)
-        else:
-            rewritten, out_tree = entry
+            return f(*args, **kwargs)  # op by op, as f would run: nothing to tap
+        if not _seam.can_intercept():
+            warn_once_now(f"jax-tap: this JAX ({_seam.JAX_VERSION_TEXT}) lacks the jit-key state jax-tap needs; "
+                          f"f runs untapped. Install a tested JAX ({_seam.TESTED_RANGE}).")
+            return f(*args, **kwargs)
         self._consumers.new_run()
         for p in self._prims:
             p.new_run()
-        with _seam.quiet():
-            outs = _seam.eval_jaxpr(rewritten.jaxpr, rewritten.consts, *dyn)
-        return jax.tree_util.tree_unflatten(out_tree, outs)
+        with CallScope(self._token, self._sites, self._names_seen, _seam.barrier_here()):
+            out = f(*args, **kwargs)
+        plan = self._plan
+        if plan.prim_taps and self._names_seen and not self._warned_names:
+            self._warned_names = True
+            warn_unmatched(plan.prim_taps, self._names_seen)
+        return out
 
     def __repr__(self):
         return f"<jax-tap verbose of {getattr(self.__wrapped__, '__qualname__', self.__wrapped__)!r}>"
@@ -155,17 +93,11 @@ def configure(*, on_step=None, select=None, alert=None, alert_once=False, ops=("
     return plan, consumers, prim_consumers(plan.prim_taps, recorder, consumers.on_step)
 
 
-def rebuild_guard(plan):
-    return Guard(plan.select or (lambda leaves: leaves), "select (its result could not be rebuilt on the host)")
-
-
 def make_tapped(f, recorder=None, **cfg) -> Tapped:
     if not callable(f):
         raise TypeError(f"jax-tap: expected a function to observe, got {type(f).__name__}: {f!r}")
     plan, consumers, prims = configure(recorder=recorder, **cfg)
-    sinks = Sinks(consumers.carry_sink, consumers.ys_sink, [p.deliver for p in prims], rebuild_guard(plan))
-    walker = Walker(plan, sinks, SiteIndex())
-    return Tapped(f, walker, consumers, prims, observes=plan.active)
+    return Tapped(f, plan, consumers, prims)
 
 
 def verbose(f: Callable, *, on_step: Optional[Callable] = None, select: Optional[Callable] = None,

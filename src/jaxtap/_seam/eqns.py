@@ -278,10 +278,11 @@ def impl_primitives() -> list:
 def top_loops(jaxpr):
     """(name, site) of each loop reachable without entering a loop body, in
     program order (through jits, branches and other calls)."""
-    from .stack import site_of_eqn
+    from .stack import loop_site, site_of_eqn
     for eqn in jaxpr.eqns:
         if eqn.primitive in LOOP_PRIMITIVES:
-            yield ("scan" if eqn.primitive is scan_p else "while"), site_of_eqn(eqn)
+            yield ("scan" if eqn.primitive is scan_p else "while"), loop_site(eqn.primitive, eqn.params,
+                                                                              site_of_eqn(eqn))
         else:
             for sub in subjaxprs_of(eqn.params, eqn):
                 yield from top_loops(sub)

@@ -16,13 +16,17 @@ __all__ = [
     "site_of_traceback",
     "site_of_eqn",
     "current_site",
+    "loop_site",
     "inside_loop_body_trace",
     "impl_bind_is_nested",
     "in_custom_body_trace",
+    "in_derivative_code",
+    "barrier_here",
     "differentiated",
     "differentiating",
     "jit_disabled",
     "at_base_trace",
+    "evaluating_eagerly",
     "install_bind",
     "uninstall_bind",
     "bind_is_patched",
@@ -104,6 +108,8 @@ def _direct_caller(code, lasti):
                 frame = _source_info.raw_frame_to_frame(c, lasti[k])
                 return (frame.file_name, frame.start_line)
             first = k
+        elif first is not None and c.co_filename.startswith(_HERE):
+            return None  # a tap.verbose wrapper's call: its addresses do not depend on where it is called
     return None
 
 
@@ -138,6 +144,9 @@ def current_site():
                 pass
             up = frame.f_back
             while up is not None and not _source_info.is_user_filename(up.f_code.co_filename):
+                if up.f_code.co_filename.startswith(_HERE):
+                    up = None  # a tap.verbose wrapper's call (see _direct_caller)
+                    break
                 up = up.f_back
             caller = None if up is None else (up.f_code.co_filename, up.f_lineno)
             return (name, frame.f_lineno, col, "transpose" in str(name_stack), library, caller)
@@ -145,6 +154,32 @@ def current_site():
             library = (name, frame.f_lineno)  # library code that asked for this loop
         frame = frame.f_back
     return ("<no user frame>", str(name_stack), library)
+
+
+_INSTALLED = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+
+
+def loop_site(prim, params, site):
+    """A loop's site, told apart by its carry's structure when the line is
+    in an installed library: a library may bind every loop it runs from one
+    line of its own (Equinox's ``while_loop``; JAX counts its frames as the
+    user's), so the line alone would give different loops one address. Only
+    leaf count, dtypes and ranks: the same loop keeps its address when its
+    shapes change."""
+    if site is None or not isinstance(site[0], str) or not any(p in site[0] for p in _INSTALLED):
+        return site
+    from .eqns import scan_p, scan_parts, while_parts
+    try:
+        if prim is scan_p:
+            body, nc, ncar, _ = scan_parts(params)
+            carry = body.in_avals[nc:nc + ncar]
+        else:
+            _, _, body, bnc = while_parts(params)
+            carry = body.in_avals[bnc:]
+        shape = tuple((str(a.dtype), len(a.shape)) for a in carry)
+    except Exception:  # noqa: BLE001 - the line alone, as for a user's loop
+        return site
+    return tuple(site) + (shape,)
 
 
 # ------------------------------------------------------------ trace chain
@@ -168,7 +203,7 @@ _LINEAR_TRACES = frozenset({"custom_linear_solve", "custom_linear_solve solve",
                             "custom_linear_solve transpose_solve", "custom_root tangent_solve"})
 
 
-def _in_derivative_code() -> bool:
+def in_derivative_code() -> bool:
     """True while JAX stages derivative code: partial evaluation (linearizing
     a custom_jvp rule, linear_transpose), a tangent trace, or a linear solve's
     operator."""
@@ -193,11 +228,20 @@ def _binder_name() -> str:
     return "" if frame is None else frame.f_code.co_name
 
 
-def _nested_in_loop_code(is_loop) -> bool:
+def barrier_here():
+    """(caller's frame, current trace): where a wrapped call starts. Loop
+    code and traces outside it (a user's loop body that calls a
+    ``tap.verbose`` function) do not make the call's loops nested."""
+    return sys._getframe(1), _core.trace_ctx.trace
+
+
+def _nested_in_loop_code(is_loop, barrier=None) -> bool:
     """True when JAX's loop code is on the Python stack above the code that
-    binds this loop: the loop is bound while another loop's body (or its
-    JVP, linearization or transpose) is being traced. Trace chains miss some
-    of these, as autodiff re-traces bodies in traces of its own."""
+    binds this loop (up to ``barrier``'s frame): the loop is bound while
+    another loop's body (or its JVP, linearization or transpose) is being
+    traced. Trace chains miss some of these, as autodiff re-traces bodies in
+    traces of its own."""
+    stop = None if barrier is None else barrier[0]
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(_HERE):
         frame = frame.f_back  # jax-tap's own frames
@@ -208,7 +252,7 @@ def _nested_in_loop_code(is_loop) -> bool:
         return True
     while frame is not None and frame.f_code.co_filename.endswith(_BINDER_FILES):
         frame = frame.f_back  # the loop API or rule binding this very loop (fori_loop -> scan)
-    while frame is not None:
+    while frame is not None and frame is not stop:
         code = frame.f_code
         if code.co_filename.endswith(_LOOPS_FILE) or _shape_only(code):
             return True
@@ -229,17 +273,19 @@ def _shape_only(code) -> bool:
     return suffix is not None and code.co_filename.endswith(suffix)
 
 
-def inside_loop_body_trace(is_loop=False) -> bool:
+def inside_loop_body_trace(is_loop=False, barrier=None) -> bool:
     """True when the current bind happens while JAX traces a loop body or
     lowers a primitive, or (``is_loop``) re-binds a loop it already has or
-    binds one into derivative code (which JAX may transpose)."""
-    if _nested_in_loop_code(is_loop):
+    binds one into derivative code (which JAX may transpose). Loop code and
+    traces outside ``barrier`` (from :func:`barrier_here`) do not count."""
+    if _nested_in_loop_code(is_loop, barrier):
         return True
-    if is_loop and _in_derivative_code():
+    if is_loop and in_derivative_code():
         return True
     trace = _core.trace_ctx.trace
+    stop = None if barrier is None else barrier[1]
     seen = 0
-    while trace is not None and seen < 1000:
+    while trace is not None and trace is not stop and seen < 1000:
         seen += 1
         frame = getattr(trace, "frame", None)
         dbg = getattr(frame, "debug_info", None)
@@ -255,15 +301,16 @@ _PARTIAL_EVAL = os.path.join("jax", "_src", "interpreters", "partial_eval.py")
 _RULE_FRAMES = tuple(os.path.join("jax", "_src", "interpreters", f) for f in ("ad.py", "batching.py")) + (_PARTIAL_EVAL,)
 
 
-def impl_bind_is_nested() -> bool:
+def impl_bind_is_nested(barrier=None) -> bool:
     """True when a library primitive that lowers by tracing its
     implementation is bound where jax-tap must leave it alone: inside a loop
     body being traced or a lowering, in derivative code, or by one of JAX's
     transformation rules."""
-    if inside_loop_body_trace(False) or _in_derivative_code():
+    if inside_loop_body_trace(False, barrier) or in_derivative_code():
         return True
+    stop = None if barrier is None else barrier[0]
     frame = sys._getframe(1)
-    while frame is not None:
+    while frame is not None and frame is not stop:
         code = frame.f_code
         if code.co_name.startswith("process_") and code.co_filename.endswith(_RULE_FRAMES):
             return True
@@ -273,12 +320,13 @@ def impl_bind_is_nested() -> bool:
     return False
 
 
-def in_custom_body_trace() -> bool:
+def in_custom_body_trace(barrier=None) -> bool:
     """True while JAX traces the body of a ``custom_jvp``/``custom_vjp``
     function for a jaxpr: under a transformation that uses the rules the
     traced body may be discarded (the rule calls the function again)."""
+    stop = None if barrier is None else barrier[0]
     frame = sys._getframe(1)
-    while frame is not None:
+    while frame is not None and frame is not stop:
         code = frame.f_code
         if code.co_name in ("process_custom_jvp_call", "process_custom_vjp_call") \
                 and code.co_filename.endswith(_PARTIAL_EVAL):
@@ -299,9 +347,8 @@ _DIFFERENTIATING = _Differentiating()
 
 class differentiated:
     """Within: :func:`differentiating` answers ``value`` (True: what is
-    staged now will be differentiated, e.g. a program ``tap.verbose``
-    rewrites for a call under ``jax.grad``; False: it never is, e.g. an
-    events-only run)."""
+    staged now will be differentiated; False: it never is, e.g. an
+    events-only run; None: read the trace chain)."""
 
     __slots__ = ("value", "prev")
 
@@ -332,6 +379,11 @@ def differentiating() -> bool:
 
 def jit_disabled() -> bool:
     return bool(jax.config.jax_disable_jit)
+
+
+def evaluating_eagerly() -> bool:
+    """True when a bind now evaluates on concrete values (no trace at all)."""
+    return isinstance(_core.trace_ctx.trace, _core.EvalTrace)
 
 
 def at_base_trace() -> bool:

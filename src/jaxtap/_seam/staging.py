@@ -2,7 +2,6 @@
 JAX does, and the few lax building blocks the loop rewrites use."""
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable, Sequence
 
 import jax
@@ -10,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from .eqns import ClosedJaxpr, Tracer, closed_call_p, hi_call_p, impl_of, jit_p, loop_scope
+from .eqns import ClosedJaxpr, Tracer, closed_call_p, hi_call_p, impl_of, loop_scope
 from .stack import differentiated, differentiating, quiet
 from .versions import internal
 
@@ -36,7 +35,6 @@ __all__ = [
     "effects_barrier",
     "hi_expansion",
     "impl_expansion",
-    "eager_dispatch",
 ]
 
 _core = internal("jax._src.core")
@@ -268,53 +266,3 @@ def impl_expansion(prim, params, avals, eqn=None):
         _IMPL_EXPANSIONS.clear()
     _IMPL_EXPANSIONS[key] = (params, list(avals), expanded)
     return expanded
-
-
-# ------------------------------------------------------------ eager dispatch
-class _EagerTops(threading.local):
-    def __init__(self):
-        self.traces = []
-
-
-_EAGER_TOPS = _EagerTops()
-_INLINE_RULE: list = []  # [the staging rule of jit that we wrap], once installed
-
-
-def _not_inlined(value):
-    """The ``inline`` parameter of a plain jit, for a jit declared inline."""
-    if value is True:
-        return False
-    early = getattr(type(value), "JAX_EARLY", None)  # JAX >= 0.11: the Inline enum
-    return type(value).AUTO if early is not None and value is early else value
-
-
-def _staging_rule(trace, source_info, *args, **params):
-    if _EAGER_TOPS.traces and trace is _EAGER_TOPS.traces[-1] and params.get("inline"):
-        params = dict(params, inline=_not_inlined(params["inline"]))
-    return _INLINE_RULE[0](trace, source_info, *args, **params)
-
-
-class eager_dispatch:
-    """Trace a program to be evaluated op by op, as the user's code runs
-    eagerly: a jit the code declares inline (most of ``jax.numpy``) stays one
-    jit equation at the program's top level, so it dispatches as the one
-    compiled program it is eagerly (tracing would dissolve it into its
-    equations, which XLA may round differently: ``x / n`` compiled is
-    ``x * (1/n)``). Call :meth:`top` first thing inside the traced function.
-    """
-
-    def __enter__(self):
-        if not _INLINE_RULE:
-            rules = _pe.custom_staging_rules
-            _INLINE_RULE.append(rules[jit_p])
-            rules[jit_p] = _staging_rule
-        self._depth = len(_EAGER_TOPS.traces)
-        _EAGER_TOPS.traces.append(None)
-        return self
-
-    def top(self):
-        _EAGER_TOPS.traces[self._depth] = _core.trace_ctx.trace
-
-    def __exit__(self, *exc):
-        del _EAGER_TOPS.traces[self._depth:]
-        return False

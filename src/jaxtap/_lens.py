@@ -1,0 +1,465 @@
+"""The lens: interception scoped to a block or a call, and host routing.
+
+Both forms hold the lens the same way. ``with tap.record(...) as rec:``
+opens a *block*; each call of ``tap.verbose(f)`` (or ``tap.record(f)``)
+opens a *call scope* around ``f``, which then runs exactly as written
+(eagerly, or into whatever trace it is called under). While a scope is open
+on a thread, jax-tap taps every loop it executes without touching the user's
+code or any ``jax.lax`` name:
+
+* **interception** - while any scope is open, the ``bind`` of the loop
+  primitives (``scan``, ``while``) is routed through :func:`_intercept`. The
+  outermost loop bind (not one made while JAX traces another loop's body) is
+  rewritten by the transform (``_transform``); nested loops are reached by
+  its walk. This sees ``from jax.lax import scan``, ``fori_loop``,
+  ``lax.map`` and library code alike.
+* **keying** - a thread-local JAX config state (part of every jit cache key)
+  holds a token per distinct device-side configuration (and thread, for
+  blocks). Inside the scope, functions jitted *before* it re-trace (and get
+  tapped); after it, they hit their clean compilation again.
+* **routing** - a block's events go, when they arrive, to the innermost
+  active block of its token; a call scope's go straight to its wrapper's
+  consumers (its compiled program may run long after the call returned).
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+
+import jax
+
+from . import _seam
+from ._emit import TapSelectError
+from ._host import Guard, warn_once_now
+from . import _loops  # noqa: F401 - registers the scan and while rules
+from ._rules import RULES
+from ._transform import SiteIndex, Sinks, Walker, handler_for, tappable_names
+
+_LOOPS = _seam.LOOP_PRIMITIVES  # intercepted whenever a block is active
+_seam.check_at_import()  # one warning at import on a JAX outside the tested range
+
+
+def rebuild_guard(plan):
+    return Guard(plan.select or (lambda leaves: leaves), "select (its result could not be rebuilt on the host)")
+
+
+class Token:
+    """Identity of one device-side tap configuration: a block's (one per
+    configuration and thread; events go to the innermost active block of the
+    token) or a wrapped function's (``owner`` given: events go to it)."""
+
+    __slots__ = ("key", "walker", "__weakref__")
+
+    def __init__(self, key, plan, owner=None):
+        self.key = key
+        if owner is None:
+            ref = weakref.ref(self)
+            router = _Router(lambda: None if ref() is None else _REGISTRY.innermost(ref()))
+        else:
+            router = _Router(lambda: owner)  # (held: its programs may run after the call returned)
+        sinks = Sinks(router.carry_sink, router.carry_sink,
+                      [router.prim(i) for i in range(len(plan.prim_taps))], rebuild_guard(plan))
+        self.walker = Walker(plan, sinks, SiteIndex())
+
+    def __repr__(self):
+        return f"<jaxtap token {id(self):#x}>"
+
+
+class CallScope:
+    """One call of a wrapped function (``tap.verbose(f)``): ``f``'s loops are
+    intercepted as a block's are, on this thread only, from the call's own
+    Python frame and trace inward (``barrier``)."""
+
+    __slots__ = ("_token", "_plan", "_sites", "_names_seen", "_thread", "barrier", "__weakref__")
+    shared = False  # never lent to other threads (see _Registry.sole)
+
+    def __init__(self, token, sites, names_seen, barrier):
+        self._token = token
+        self._plan = token.walker.plan
+        self._sites = sites  # the wrapper's addresses, stable across its calls
+        self._names_seen = names_seen
+        self._thread = threading.get_ident()
+        self.barrier = barrier
+
+    def __enter__(self):
+        _REGISTRY.push(self)
+        return self
+
+    def __exit__(self, *exc):
+        _REGISTRY.remove(self, self._thread)
+        return False
+
+
+class _Router:
+    """Host routing: deliver to ``find()`` (a block or a wrapped function
+    with ``_sites``, ``_plan``, ``_consumers``, ``_prims``; None drops).
+
+    The outermost index of an address is the receiver's own: the n-th
+    distinct top-level loop (by source line) it met, so a block's addresses
+    do not depend on what earlier blocks with the same configuration ran.
+    """
+
+    def __init__(self, find):
+        self._find = find
+
+        def carry_sink(event, top):
+            self.carry(event, top)
+
+        carry_sink.resolve = self._resolve_carry  # buffered batches route once
+        self.carry_sink = carry_sink
+
+    def _route(self, path, kind, top):
+        """(receiver, path as it names it), or (None, None) to drop."""
+        ctx = self._find()
+        if ctx is None:
+            return None, None
+        if top is not None:
+            first, sep, rest = path.partition("/")
+            mine = f"{top[0]}[{ctx._sites.index(*top)}]"
+            if mine != first:
+                path = mine + sep + rest
+                where = ctx._plan.where
+                if where is not None and kind == "carry" and not _safe_where(where, path):
+                    return None, None
+        return ctx, path
+
+    def _receive(self, event, top):
+        ctx, path = self._route(event.path, event.kind, top)
+        if ctx is not None and path != event.path:
+            event = dataclasses.replace(event, path=path)
+        return ctx, event
+
+    def carry(self, event, top):
+        ctx, event = self._receive(event, top)
+        if ctx is not None:
+            ctx._consumers.deliver(event)  # carry or output, by kind
+
+    def _resolve_carry(self, path, kind, top):
+        ctx, path = self._route(path, kind, top)
+        if ctx is None:
+            return None
+        consumers = ctx._consumers
+        return (consumers.ys_sink if kind == "output" else consumers.carry_sink), path
+
+    def prim(self, i):
+        def deliver(event, top):
+            ctx, event = self._receive(event, top)
+            if ctx is not None:
+                ctx._prims[i].deliver(event)
+
+        def resolve(path, kind, top):
+            ctx, path = self._route(path, kind, top)
+            return None if ctx is None else (ctx._prims[i].deliver, path)
+
+        deliver.resolve = resolve
+        return deliver
+
+
+def _safe_where(where, path):
+    try:
+        return bool(where(path))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+class _Registry:
+    """Active contexts per thread, tokens per configuration, and patches."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.stacks: dict = {}  # thread ident -> [weakref(ctx)], innermost last
+        self.tokens: dict = {}  # (plan fingerprint, thread ident) -> Token
+        self.n_active = 0
+
+    # -- tokens
+    def token_for(self, plan, thread):
+        key = (plan.fingerprint(), thread)
+        with self.lock:
+            tok = self.tokens.pop(key, None)
+            if tok is None:
+                tok = Token(key, plan)
+            self.tokens[key] = tok  # most recently used last
+            if len(self.tokens) > _MAX_TOKENS:
+                in_use = {id(c._token) for c in self.active()}
+                for k in [k for k, t in self.tokens.items() if id(t) not in in_use][: len(self.tokens) - _MAX_TOKENS]:
+                    del self.tokens[k]
+            return tok
+
+    # -- stacks
+    def push(self, ctx):
+        with self.lock:
+            stack = self.stacks.setdefault(ctx._thread, [])
+            stack.append(weakref.ref(ctx, _collected))
+            self.n_active += 1
+            _sync_patches()
+        self._sync_thread_token()
+
+    def remove(self, ctx_ref_or_ctx, thread):
+        with self.lock:
+            stack = self.stacks.get(thread, [])
+            for i in range(len(stack) - 1, -1, -1):
+                r = stack[i]
+                if r is ctx_ref_or_ctx or r() is ctx_ref_or_ctx:
+                    del stack[i]
+                    self.n_active -= 1
+                    break
+            if not stack:
+                self.stacks.pop(thread, None)
+            if self.n_active <= 0:
+                self.n_active = 0
+            _sync_patches()
+        if thread == threading.get_ident():
+            self._sync_thread_token()
+        else:
+            sole = self.sole()
+            _seam.set_global_token(sole._token if sole is not None else None)
+
+    def active(self):
+        for stack in list(self.stacks.values()):
+            for r in list(stack):
+                ctx = r()
+                if ctx is not None:
+                    yield ctx
+
+    def top(self, thread):
+        stack = self.stacks.get(thread)
+        while stack:
+            ctx = stack[-1]()
+            if ctx is not None:
+                return ctx
+            stack.pop()
+        return None
+
+    def innermost(self, token):
+        with self.lock:
+            stack = self.stacks.get(token.key[1], ())
+            for r in reversed(stack):
+                ctx = r()
+                if ctx is not None and ctx._token is token:
+                    return ctx
+        return None
+
+    def _sync_thread_token(self):
+        ctx = self.top(threading.get_ident())
+        _seam.set_thread_token(ctx._token if ctx is not None else None)
+        sole = self.sole()
+        _seam.set_global_token(sole._token if sole is not None else None)
+
+    def sole(self):
+        """The only active block in the process, if exactly one is active.
+
+        Threads without a block of their own are attributed to it (work
+        handed to a worker thread or executor is tapped, as BlackJAX's
+        progress bar expects); with two or more blocks active, each taps
+        only its own thread. A wrapped function's call scope is never lent."""
+        if not self.n_active:
+            return None
+        shared = [ctx for ctx in self.active() if ctx.shared]
+        return shared[0] if len(shared) == 1 else None
+
+    def reset(self):
+        with self.lock:
+            for ctx in list(self.active()):
+                ctx._active = False
+            self.stacks.clear()
+            self.tokens.clear()
+            self.n_active = 0
+            _uninstall_all()
+        _seam.set_thread_token(None)
+        _seam.set_global_token(None)
+
+
+_MAX_TOKENS = 32  # configurations remembered for reuse of their compilations
+_REGISTRY = _Registry()
+
+
+def _collected(ref):
+    """A context was garbage-collected while active: drop it."""
+    for thread, stack in list(_REGISTRY.stacks.items()):
+        if ref in stack:
+            _REGISTRY.remove(ref, thread)
+
+
+# ------------------------------------------------------------- interception
+def _sync_patches():
+    """Intercept the loop primitives, and the primitives some active block
+    taps by name, exactly while they are needed."""
+    wanted = set(_LOOPS) if _REGISTRY.n_active else set()
+    if _REGISTRY.n_active:
+        wanted.update(_seam.impl_primitives())  # library primitives holding loops (lineax)
+        for ctx in _REGISTRY.active():
+            if ctx._plan.prim_taps:
+                wanted.add(_seam.jit_p)  # what a tap name could match (see _note_names)
+            for t in ctx._plan.prim_taps:
+                prim = _seam.primitive_named(t.prim) if t.prim else None
+                if prim is not None and prim not in _LOOPS:
+                    wanted.add(prim)
+    for prim in list(_PATCHED):
+        if prim not in wanted:
+            _seam.uninstall_bind(prim)
+            _PATCHED.discard(prim)
+    for prim in wanted:
+        if prim not in _PATCHED:
+            _seam.install_bind(prim, _make_bind(prim))
+            _PATCHED.add(prim)
+
+
+_PATCHED: set = set()
+
+
+def _uninstall_all():
+    for prim in list(_PATCHED) + list(_LOOPS):
+        _seam.uninstall_bind(prim)
+    _PATCHED.clear()
+
+
+def _make_bind(prim):
+    handler = RULES.get(prim) if prim in _LOOPS else None
+    expands = handler is None and _seam.impl_of(prim) is not None
+    notes = prim is _seam.jit_p
+
+    def bind(*args, **params):
+        if _seam.BUSY.depth or not _REGISTRY.n_active:
+            return _seam.bind_original(prim, args, params)
+        ctx = _REGISTRY.top(threading.get_ident()) or _REGISTRY.sole()
+        if notes and ctx is not None and ctx._plan.prim_taps:
+            _note_names(ctx, params)
+            if not any(t.prim == prim.name for t in ctx._plan.prim_taps):
+                return _seam.bind_original(prim, args, params)
+        try:
+            if expands:
+                nested = ctx is None or _seam.impl_bind_is_nested(ctx.barrier)
+            else:
+                nested = ctx is None or _seam.inside_loop_body_trace(handler is not None, ctx.barrier)
+        except Exception as exc:  # noqa: BLE001 - a JAX whose traces the seam cannot read
+            warn_once_now(f"jax-tap: cannot read this JAX's trace state ({type(exc).__name__}: {exc}); "
+                          f"the {prim.name} runs untapped.")
+            nested = True
+        if nested:
+            return _seam.bind_original(prim, args, params)
+        if expands:
+            return _intercept_expanding(prim, ctx, args, params)
+        if handler is None:
+            return _tap_primitive(prim, ctx, args, params)
+        return _intercept(prim, handler, ctx, args, params)
+
+    bind.__jaxtap_patch__ = True
+    return bind
+
+
+def _note_names(ctx, params):
+    """A jit bound in a scope with primitive taps: what a tap name could
+    match in it (for the "matched nothing" warning)."""
+    try:
+        ctx._names_seen.update(tappable_names(_seam.jit_body(params).jaxpr))
+    except Exception:  # noqa: BLE001 - a hint only
+        pass
+
+
+def _tap_primitive(prim, ctx, args, params):
+    """A tapped primitive bound outside any loop: bind it, then tap it.
+
+    Only at the base of the trace stack (eager, or staging into a jaxpr):
+    under vmap/grad the rule's own bind of the primitive reaches the base.
+    Never in derivative code or a linear solve's operator (JAX transposes
+    those; ``tap.primitives`` does not list what is inside them).
+    """
+    if not _seam.at_base_trace() or _seam.in_derivative_code():
+        return _seam.bind_original(prim, args, params)
+    with _seam.quiet():  # eager dispatch re-binds the primitive inside a jit
+        out = _seam.bind_original(prim, args, params)
+    if not any(t.prim == prim.name for t in ctx._plan.prim_taps):
+        return out
+    ctx._names_seen.add(prim.name)
+    outs = list(out) if prim.multiple_results else [out]
+    walker = ctx._token.walker
+    with _seam.quiet():
+        try:
+            walker.emit_prims(prim.name, _seam.current_site(), False, list(args), outs, walker.top_scope())
+        except TapSelectError:
+            raise  # bad input: said clearly, never swallowed
+        except Exception as exc:  # noqa: BLE001
+            warn_once_now(f"jax-tap: could not tap {prim.name} ({type(exc).__name__}: {exc}).")
+    return out
+
+
+def _intercept(prim, handler, ctx, args, params):
+    walker = ctx._token.walker
+    site = _seam.current_site()
+    if not _seam.in_custom_body_trace(ctx.barrier):  # (a body JAX may discard is numbered when it runs)
+        kind = "scan" if prim is _seam.scan_p else "while"
+        ctx._sites.index(kind, _seam.loop_site(prim, params, site))  # program order
+    with _seam.quiet():
+        try:
+            ctx._names_seen.update(tappable_names(_seam.loop_body(prim, params).jaxpr))
+            if _seam.evaluating_eagerly():
+                return _eager_tapped(walker, prim, handler, params, site)(*args)
+            with _seam.loop_scope():
+                return handler(walker, None, params, list(args), walker.top_scope(), site)
+        except TapSelectError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - our failure must not be the user's
+            return _untapped(prim, args, params, exc, f"a {prim.name} loop")
+
+
+_EAGER_MAX = 64  # tapped eager loops kept compiled, per configuration
+
+
+def _eager_tapped(walker, prim, handler, params, site):
+    """The tapped loop as one jitted function, cached per loop equation.
+
+    Eagerly JAX dispatches a loop as one compiled program, cached on its
+    parameters (the body jaxpr included, which ``lax.scan`` caches per body
+    function): so does this, instead of rewriting and compiling the loop
+    again on every call."""
+    cache = walker.eager
+    try:
+        key = (prim, tuple(sorted(params.items())), site)
+        fn = cache.get(key)
+    except TypeError:  # unhashable parameters: compile this once
+        key, fn = None, None
+    if fn is None:
+        def run(*args):
+            with _seam.loop_scope():
+                return handler(walker, None, params, list(args), walker.top_scope(), site)
+
+        fn = jax.jit(run)
+        if key is not None:
+            if len(cache) >= _EAGER_MAX:
+                cache.pop(next(iter(cache)))
+            cache[key] = fn
+    return fn
+
+
+def _intercept_expanding(prim, ctx, args, params):
+    """A library primitive whose loops exist only in its lowering (lineax's
+    ``linear_solve``), bound outside any loop: tap its expansion."""
+    walker = ctx._token.walker
+    with _seam.quiet():
+        try:
+            avals = [_seam.abstractify(x) for x in args]
+            expanded = _seam.impl_expansion(prim, params, avals)
+            if expanded is None or not walker.needs(expanded.jaxpr):
+                return _seam.bind_original(prim, args, params)
+            ctx._names_seen.update(tappable_names(expanded.jaxpr))
+            for name, site in _seam.top_loops(expanded.jaxpr):
+                ctx._sites.index(name, site)  # program order, as for a loop bound here
+            # (no site: the expansion's own loops carry theirs)
+            return handler_for(prim)(walker, None, params, list(args), walker.top_scope(), None)
+        except TapSelectError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - our failure must not be the user's
+            return _untapped(prim, args, params, exc, f"inside {prim.name}")
+
+
+def _untapped(prim, args, params, exc, what):
+    """Our rewrite failed: bind the user's equation as it is, warn once."""
+    try:
+        out = _seam.bind_original(prim, args, params)
+    except Exception:
+        raise exc from None  # the program itself fails the same way
+    warn_once_now(f"jax-tap: could not tap {what} ({type(exc).__name__}: {exc}); it ran untapped.")
+    return out
+
+

@@ -477,6 +477,23 @@ def test_short_scans_are_identical_and_observed(length):
     assert len(seen) == 2 * length
 
 
+def test_verbose_takes_fs_eager_only_branches_and_reads_its_globals_live():
+    """numpyro skips a loop when its key is concrete: f's Python runs as written."""
+    scale = {"k": 2.0}
+
+    def f(x):
+        if not isinstance(x, jax.core.Tracer):  # eager only: no loop at all
+            return x * scale["k"]
+        return jax.lax.scan(lambda c, _: (c * scale["k"], None), x, None, length=1)[0]
+
+    seen = []
+    g = tap.verbose(f, on_step=seen.append)
+    assert float(g(jnp.float32(1.5))) == 3.0 and seen == []
+    scale["k"] = 3.0
+    assert float(g(jnp.float32(1.5))) == 4.5 and seen == []
+    assert float(sync(jax.jit(g)(jnp.float32(1.5)))) == 4.5 and [e.path for e in seen] == ["scan[0]"]
+
+
 def test_disable_jit_runs_f_as_it_would_run():
     def f(x):
         return jax.lax.while_loop(lambda c: c < 3.0, lambda c: c * 1.7 + 0.1, x)
@@ -516,7 +533,7 @@ def test_wrapped_callables_attributes_never_shadow_ours():
 def test_verbose_called_eagerly_computes_what_f_computes_eagerly():
     # jnp.mean is a jit declared inline: eagerly it is one compiled program
     # (XLA turns `/ n` into `* (1/n)`); traced, it dissolves into equations.
-    # tap.verbose keeps it a program at the top level, so eager values agree.
+    # tap.verbose runs f as written, so eager values agree.
     def f(x, y):
         return jax.lax.scan(lambda c, _: (c * 1.01, None), jnp.mean(x * y + 1.0), None, length=3)[0]
 

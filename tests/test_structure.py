@@ -64,3 +64,27 @@ def test_rules_are_keyed_by_primitive_objects():
     assert RULES[_seam.while_p].__name__ == "handle_while"
     assert {_seam.jit_p, _seam.cond_p, _seam.remat_p, _seam.custom_jvp_call_p} <= set(RULES)
     assert all(hasattr(p, "bind") for p in RULES)
+
+
+def test_the_options_are_listed_once_and_the_public_signatures_match():
+    """Config lists the options; tap.verbose and tap.record spell out the
+    same keyword arguments (names, defaults, order) for readers and typing."""
+    import dataclasses
+    import inspect
+
+    import jaxtap as tap
+    from jaxtap._options import Config
+
+    fields = [(f.name, f.default) for f in dataclasses.fields(Config)]
+    for fn, extra in ((tap.verbose, {"f"}), (tap.record, {"fn", "maxlen"})):
+        params = [(p.name, p.default) for p in inspect.signature(fn).parameters.values() if p.name not in extra]
+        assert params == fields, fn.__name__
+
+
+def test_a_misspelt_option_names_the_fix():
+    import pytest
+
+    import jaxtap as tap
+
+    with pytest.raises(TypeError, match="Did you mean 'sample_every'"):
+        tap.TapContext(sample_evry=3)

@@ -1,15 +1,17 @@
-"""Validation of the user's keyword arguments, and the device-side plan.
+"""The tap configuration (:class:`Config`, validated once) and the
+device-side :class:`Plan` derived from it.
 
 Bad input is rejected here, before any program runs, with a message that
 names the parameter and the fix.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
 OPS = ("scan", "while_loop")
 _OP_ALIASES = {"scan": "scan", "while_loop": "while", "while": "while", "fori_loop": None, "map": None}
@@ -143,6 +145,71 @@ class PrimTap:
         return select_wants_path(self.select) if self.select is not None else False
 
 
+@dataclass(frozen=True, eq=False)
+class Config:
+    """One tap configuration: the keyword arguments of ``tap.verbose`` and
+    ``tap.record``, listed here once and validated when it is made.
+
+    ``tap.verbose`` and ``tap.record`` spell these out as keyword arguments
+    (``tests/test_structure.py`` checks that they match this list); see
+    :func:`jaxtap.verbose` for what each one means.
+
+    Examples
+    --------
+    >>> from jaxtap._options import Config
+    >>> Config(sample_every=10).sample_every
+    10
+    >>> Config(ops="scan").kinds
+    frozenset({'scan'})
+    """
+
+    on_step: Optional[Callable] = None
+    select: Optional[Callable] = None
+    alert: Optional[Callable] = None
+    alert_once: bool = False
+    ops: Union[str, Sequence[str]] = ("scan", "while_loop")
+    sample_every: int = 1
+    where: Optional[Callable] = None
+    max_depth: Optional[int] = None
+    taps: Sequence["PrimTap"] = ()
+    select_ys: Optional[Callable] = None
+    on_ys: Optional[Callable] = None
+    alert_ys: Optional[Callable] = None
+    alert_ys_once: bool = False
+    flush_every: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("on_step", "select", "alert", "where", "select_ys", "on_ys", "alert_ys"):
+            _check_callable(name, getattr(self, name))
+        check_sample_every(self.sample_every)
+        check_max_depth(self.max_depth)
+        check_flush_every(self.flush_every)
+        taps = tuple(self.taps or ())
+        for t in taps:
+            if not isinstance(t, PrimTap):
+                raise TypeError(
+                    f"jax-tap: `taps` must hold taps made by tap.on / tap.watch_nan / tap.print, got {t!r}"
+                )
+        object.__setattr__(self, "taps", taps)
+        object.__setattr__(self, "kinds", normalize_ops(self.ops))
+
+    @classmethod
+    def of(cls, arguments: Mapping[str, Any]) -> "Config":
+        """The configuration among a call's arguments (e.g. ``locals()``)."""
+        return cls(**{f.name: arguments[f.name] for f in dataclasses.fields(cls) if f.name in arguments})
+
+    @classmethod
+    def from_keywords(cls, keywords: Mapping[str, Any]) -> "Config":
+        """``Config(**keywords)``, naming the closest option for a misspelt one."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in keywords:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else f" Options: {', '.join(names)}."
+                raise TypeError(f"jax-tap: unknown option {key!r}.{hint}")
+        return cls(**keywords)
+
+
 @dataclass(eq=False)
 class Plan:
     """Everything the device-side rewrite needs to know, nothing host-side."""
@@ -160,13 +227,18 @@ class Plan:
     select_ys_path: Any = False
     flush_every: Optional[int] = None
 
-    def fingerprint(self):
+    @functools.cached_property
+    def _fingerprint(self):
         return (
             fingerprint(self.select), self.sample_every, tuple(sorted(self.kinds)),
             fingerprint(self.where), self.max_depth, self.emit_carry,
             tuple(t.fingerprint() for t in self.prim_taps),
             fingerprint(self.select_ys), self.emit_ys, self.flush_every,
         )
+
+    def fingerprint(self):
+        """Equal for plans that compile to the same device program."""
+        return self._fingerprint
 
     @property
     def emits_loops(self) -> bool:
@@ -181,38 +253,24 @@ class Plan:
         return self.emit_carry or self.emit_ys or bool(self.prim_taps)
 
 
-def build_plan(*, select, sample_every, ops, where, max_depth, taps, emit_carry,
-               select_ys=None, emit_ys=False, flush_every=None) -> Plan:
-    _check_callable("select", select)
-    _check_callable("select_ys", select_ys)
-    _check_callable("where", where)
-    kinds = normalize_ops(ops)
-    if emit_ys and "scan" not in kinds:
+def build_plan(config: Config, *, emit_carry: bool, emit_ys: bool) -> Plan:
+    """The device side of ``config``: what the loops emit, and how."""
+    if emit_ys and "scan" not in config.kinds:
         from ._host import warn_once_now
         warn_once_now("jax-tap: y-taps (select_ys/on_ys/alert_ys) observe scans, but `ops` excludes 'scan': "
                       "select_ys has no effect and no output events will be emitted. Add 'scan' to ops.")
-    taps = tuple(taps or ())
-    for t in taps:
-        if not isinstance(t, PrimTap):
-            raise TypeError(
-                f"jax-tap: `taps` must hold taps made by tap.on / tap.watch_nan / tap.print, got {t!r}"
-            )
+    select, select_ys = config.select, config.select_ys
     return Plan(
         select=select,
-        sample_every=check_sample_every(sample_every),
-        kinds=kinds,
-        where=where,
-        max_depth=check_max_depth(max_depth),
+        sample_every=config.sample_every,
+        kinds=config.kinds,
+        where=config.where,
+        max_depth=config.max_depth,
         emit_carry=emit_carry,
-        prim_taps=taps,
+        prim_taps=config.taps,
         select_path=select_wants_path(select) if select is not None else False,
         select_ys=select_ys,
         emit_ys=emit_ys,
         select_ys_path=select_wants_path(select_ys) if select_ys is not None else False,
-        flush_every=check_flush_every(flush_every),
+        flush_every=config.flush_every,
     )
-
-
-def check_host_callables(**named):
-    for name, fn in named.items():
-        _check_callable(name, fn)

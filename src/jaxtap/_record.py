@@ -10,6 +10,7 @@ from ._collectors import FlightRecorder
 from ._host import warn_once_now
 from ._lens import _REGISTRY, SiteIndex
 from ._toolkit import warn_unmatched
+from ._options import Config
 from ._verbose import configure, make_tapped
 
 class TapContext:
@@ -22,9 +23,10 @@ class TapContext:
     shared = True  # the sole active block also taps threads without one (see _lens._Registry.sole)
     barrier = None  # every loop the block's thread executes
 
-    def __init__(self, recorder: Optional[FlightRecorder] = None, **cfg):
+    def __init__(self, recorder: Optional[FlightRecorder] = None, config: Optional[Config] = None, **cfg):
         self.recorder = recorder if recorder is not None else FlightRecorder()
-        self._plan, self._consumers, self._prims = configure(recorder=self.recorder, with_form=True, **cfg)
+        config = Config.from_keywords(cfg) if config is None else config
+        self._plan, self._consumers, self._prims = configure(config, self.recorder, with_form=True)
         self._token = None
         self._thread = None
         self._active = False
@@ -106,13 +108,11 @@ def record(fn=None, /, *, on_step=None, select=None, alert=None, alert_once=Fals
     >>> rec.events[-1].path, rec.events[-1].step, rec.events[-1].total
     ('scan[0]', 99, 100)
     """
+    config = Config.of(locals())
     rec = FlightRecorder(maxlen=maxlen)
-    cfg = dict(on_step=on_step, select=select, alert=alert, alert_once=alert_once, ops=ops,
-               sample_every=sample_every, where=where, max_depth=max_depth, taps=taps, select_ys=select_ys,
-               on_ys=on_ys, alert_ys=alert_ys, alert_ys_once=alert_ys_once, flush_every=flush_every)
     if fn is None:
-        return TapContext(recorder=rec, **cfg)
-    return make_tapped(fn, recorder=rec, **cfg), rec
+        return TapContext(recorder=rec, config=config)
+    return make_tapped(fn, config, recorder=rec), rec
 
 
 def emergency_restore() -> None:

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 from . import _seam
 from ._host import Consumers, warn_once_now
 from ._lens import CallScope, SiteIndex, Token
-from ._options import build_plan, check_host_callables
+from ._options import Config, build_plan
 from ._toolkit import prim_consumers, warn_unmatched
 
 
@@ -79,25 +79,20 @@ def _warn_disabled():
         warn_once_now("jax-tap: jax.disable_jit() is active: loops run as Python loops, so nothing is tapped.")
 
 
-def configure(*, on_step=None, select=None, alert=None, alert_once=False, ops=("scan", "while_loop"),
-              sample_every=1, where=None, max_depth=None, taps=(), select_ys=None, on_ys=None,
-              alert_ys=None, alert_ys_once=False, flush_every=None, recorder=None, with_form=False):
-    """Validate a tap configuration; return (plan, consumers, primitive consumers)."""
-    check_host_callables(on_step=on_step, alert=alert, on_ys=on_ys, alert_ys=alert_ys)
-    consumers = Consumers(on_step, alert, alert_once, recorder=recorder,
-                          on_ys=on_ys, alert_ys=alert_ys, alert_ys_once=alert_ys_once)
-    emit_ys = consumers.observes_ys or (select_ys is not None and recorder is not None)
-    plan = build_plan(select=select, sample_every=sample_every, ops=ops, where=where, max_depth=max_depth,
-                      taps=taps, emit_carry=with_form or consumers.observes, select_ys=select_ys,
-                      emit_ys=emit_ys, flush_every=flush_every)
+def configure(config: Config, recorder=None, with_form=False):
+    """(plan, consumers, primitive consumers) of a configuration."""
+    c = config
+    consumers = Consumers(c.on_step, c.alert, c.alert_once, recorder=recorder,
+                          on_ys=c.on_ys, alert_ys=c.alert_ys, alert_ys_once=c.alert_ys_once)
+    emit_ys = consumers.observes_ys or (c.select_ys is not None and recorder is not None)
+    plan = build_plan(c, emit_carry=with_form or consumers.observes, emit_ys=emit_ys)
     return plan, consumers, prim_consumers(plan.prim_taps, recorder, consumers.on_step)
 
 
-def make_tapped(f, recorder=None, **cfg) -> Tapped:
+def make_tapped(f, config: Config, recorder=None) -> Tapped:
     if not callable(f):
         raise TypeError(f"jax-tap: expected a function to observe, got {type(f).__name__}: {f!r}")
-    plan, consumers, prims = configure(recorder=recorder, **cfg)
-    return Tapped(f, plan, consumers, prims)
+    return Tapped(f, *configure(config, recorder))
 
 
 def verbose(f: Callable, *, on_step: Optional[Callable] = None, select: Optional[Callable] = None,
@@ -166,7 +161,4 @@ def verbose(f: Callable, *, on_step: Optional[Callable] = None, select: Optional
     >>> [(e.path, e.step, float(e.value)) for e in seen]
     [('scan[0]', 0, 2.0), ('scan[0]', 1, 4.0), ('scan[0]', 2, 8.0)]
     """
-    return make_tapped(f, on_step=on_step, select=select, alert=alert, alert_once=alert_once, ops=ops,
-                       sample_every=sample_every, where=where, max_depth=max_depth, taps=taps,
-                       select_ys=select_ys, on_ys=on_ys, alert_ys=alert_ys, alert_ys_once=alert_ys_once,
-                       flush_every=flush_every)
+    return make_tapped(f, Config.of(locals()))

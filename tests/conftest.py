@@ -17,3 +17,11 @@ def _clean_tap_state():
     if _record.active_contexts():
         tap.emergency_restore()
         pytest.fail("a test left a tap.record() block active")
+
+
+@pytest.fixture(params=["verbose", "with"])
+def form(request):
+    """Both forms, for tests of what must hold for both (taputil.Form)."""
+    from taputil import Form
+
+    return Form(request.param)

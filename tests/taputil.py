@@ -75,3 +75,35 @@ def cases(gaps):
     for name, gap in gaps.items():
         marks = [pytest.mark.xfail(strict=True, reason=gap)] if gap else []
         yield pytest.param(name, marks=marks, id=name)
+
+
+class Form:
+    """One of the two ways to hold the lens (``form`` fixture, conftest.py):
+    tests of what must hold for both take it instead of being written twice."""
+
+    def __init__(self, name):
+        self.name = name  # "verbose" (the wrapping form) or "with"
+
+    def run(self, fn, *args, **cfg):
+        """``fn(*args)`` observed with ``cfg``: (outputs, recorder events)."""
+        import jaxtap as tap
+
+        if self.name == "verbose":
+            g, rec = tap.record(fn, **cfg)
+            out = g(*args)
+        else:
+            with tap.record(**cfg) as rec:
+                out = fn(*args)
+        return sync(out), list(rec.events)
+
+    def lowered(self, fn, *args, **cfg) -> str:
+        """The compiled program text of ``jax.jit(fn)`` observed with ``cfg``."""
+        import jaxtap as tap
+
+        if self.name == "verbose":
+            return jax.jit(tap.verbose(fn, **cfg)).lower(*args).as_text()
+        with tap.record(**cfg):
+            return jax.jit(fn).lower(*args).as_text()
+
+    def __repr__(self):
+        return self.name

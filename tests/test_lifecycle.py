@@ -31,6 +31,7 @@ from jax.lax import scan as scan_imported_before  # bound before any block exist
 
 import jaxtap as tap
 from jaxtap import _emit, _record, _seam
+from jaxtap._lens import snapshot
 
 SCAN_P = jex.core.primitives.scan_p
 WHILE_P = jex.core.primitives.while_p
@@ -50,12 +51,11 @@ BASELINE_BINDS = _instance_binds()  # before any block: JAX's own
 def assert_clean():
     """Every piece of with-form state is back to its resting value."""
     assert _record.active_contexts() == 0
-    assert _record._REGISTRY.n_active == 0
-    assert _record._REGISTRY.stacks == {}
+    state = snapshot()
+    assert state["scopes"] == state["threads"] == state["intercepted"] == 0
     assert "bind" not in SCAN_P.__dict__
     assert "bind" not in WHILE_P.__dict__
     assert _instance_binds() == BASELINE_BINDS  # no primitive left intercepted
-    assert not getattr(_record, "_PATCHED", set())
     assert _seam.thread_token() is None
     assert tap.original_scan is jax.lax.scan
     assert tap.original_while_loop is jax.lax.while_loop
@@ -557,7 +557,7 @@ def test_emergency_restore_resets_everything():
     jf(X0, XS)
     tap.emergency_restore()
     assert_clean()
-    assert _record._REGISTRY.tokens == {}
+    assert snapshot()["configurations"] == 0
     assert not has_callback(jf.lower(X0, XS).as_text())
     # a stale exit afterwards is harmless
     ctx_b.__exit__(None, None, None)
@@ -669,8 +669,7 @@ def test_thousand_blocks_do_not_leak():
 
     counts = {block() for _ in range(1000)}
     assert counts == {10}
-    assert len(_record._REGISTRY.tokens) == 1
-    assert _record._REGISTRY.stacks == {} and _record._REGISTRY.n_active == 0
+    assert snapshot() == {"scopes": 0, "threads": 0, "configurations": 1, "intercepted": 0}
     gc.collect()
     tracemalloc.start()
     try:
@@ -681,8 +680,7 @@ def test_thousand_blocks_do_not_leak():
         grown = tracemalloc.get_traced_memory()[0] - start
     finally:
         tracemalloc.stop()
-    assert len(_record._REGISTRY.tokens) == 1
-    assert _record._REGISTRY.stacks == {} and _record._REGISTRY.n_active == 0
+    assert snapshot() == {"scopes": 0, "threads": 0, "configurations": 1, "intercepted": 0}
     assert grown < 300_000, f"{grown} bytes retained over 300 blocks"
 
 

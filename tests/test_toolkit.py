@@ -78,26 +78,16 @@ def log_nested(x0):
 
 
 # ======================================================== tap.print line format
-def test_print_line_format_in_scan_b_form(capfd):
-    g = tap.verbose(sin_scan, taps=[tap.print("sin")])
+def test_print_line_format_in_scan(capfd, form):
     x0, xs = jnp.float32(0.0), jnp.linspace(0.0, 1.0, 3, dtype=jnp.float32)
-    out = run(g, x0, xs)
-    assert tap_lines(capfd) == [
-        "[tap] scan[0]/sin[0] 0/3: array([0.], dtype=float32)",
-        "[tap] scan[0]/sin[0] 1/3: array([0.4794], dtype=float32)",
-        "[tap] scan[0]/sin[0] 2/3: array([0.8415], dtype=float32)",
-    ]
-    assert_bitwise(out, sin_scan(x0, xs))
-
-
-def test_print_line_format_with_form(capfd):
-    x0, xs = jnp.float32(0.0), jnp.linspace(0.0, 1.0, 3, dtype=jnp.float32)
-    with tap.record(taps=[tap.print("mul")]):
-        out = sin_scan(x0, xs)
+    out, _ = form.run(sin_scan, x0, xs, taps=[tap.print("sin"), tap.print("mul")])
     # mul = c * 1.01 on the incoming carry: 0, 0, 1.01 * sin(0.5)
     assert tap_lines(capfd) == [
+        "[tap] scan[0]/sin[0] 0/3: array([0.], dtype=float32)",
         "[tap] scan[0]/mul[0] 0/3: array([0.], dtype=float32)",
+        "[tap] scan[0]/sin[0] 1/3: array([0.4794], dtype=float32)",
         "[tap] scan[0]/mul[0] 1/3: array([0.], dtype=float32)",
+        "[tap] scan[0]/sin[0] 2/3: array([0.8415], dtype=float32)",
         "[tap] scan[0]/mul[0] 2/3: array([0.4842], dtype=float32)",
     ]
     assert_bitwise(out, sin_scan(x0, xs))
@@ -289,26 +279,17 @@ def test_watch_nan_once_per_with_block(capfd):
     assert tap_lines(capfd) == ["[tap] FAIL scan[0]/scan[0]/log[0] 0/2: NaN/Inf"]
 
 
-def test_primitive_taps_ignore_max_depth(capfd):
-    carry = []
-    g = tap.verbose(log_nested, max_depth=0, on_step=carry.append, select=lambda _: (),
-                    taps=[tap.watch_nan("log", once=True)])
-    out = run(g, jnp.float32(3.0))
+def test_primitive_taps_ignore_max_depth(capfd, form):
+    out, events = form.run(log_nested, jnp.float32(3.0), max_depth=0, select=lambda _: (),
+                           taps=[tap.watch_nan("log", once=True)])
     # the inner loop is filtered for carry events ...
-    assert {e.path for e in carry if e.kind == "carry"} == {"scan[0]"}
-    assert sum(e.kind == "carry" for e in carry) == 4
-    # ... but the primitive tap two loops deep still fires (and reaches on_step)
+    assert {e.path for e in events if e.kind == "carry"} == {"scan[0]"}
+    assert sum(e.kind == "carry" for e in events) == 4
+    # ... but the primitive tap two loops deep still fires
     assert tap_lines(capfd) == ["[tap] FAIL scan[0]/scan[0]/log[0] 0/2: NaN/Inf"]
     # once=True silences the line, not the events
-    assert {(e.path, e.kind) for e in carry if e.kind != "carry"} == {("scan[0]/scan[0]/log[0]", "primitive")}
+    assert {(e.path, e.kind) for e in events if e.kind != "carry"} == {("scan[0]/scan[0]/log[0]", "primitive")}
     assert_bitwise(out, log_nested(jnp.float32(3.0)))
-
-
-def test_primitive_taps_ignore_max_depth_with_form(capfd):
-    with tap.record(max_depth=0, taps=[tap.watch_nan("log", once=True)]) as rec:
-        log_nested(jnp.float32(3.0))
-    assert tap_lines(capfd) == ["[tap] FAIL scan[0]/scan[0]/log[0] 0/2: NaN/Inf"]
-    assert {e.path for e in rec.events if e.kind == "carry"} == {"scan[0]"}
 
 
 def test_primitive_taps_gated_by_sample_every(capfd):
@@ -447,17 +428,9 @@ def test_a_lone_primitive_tap_reaches_on_step_in_verbose():
 
 
 # ================================================================ unmatched
-def test_unmatched_tap_name_warns_with_suggestion_b_form():
-    g = tap.verbose(chol_scan, taps=[tap.watch_nan("cholsky")])
-    with pytest.warns(tap.TapWarning, match=r"did you mean 'cholesky'\?"):
-        out = run(g, jnp.float32(2.0))
-    assert_bitwise(out, chol_scan(jnp.float32(2.0)))
-
-
-def test_unmatched_tap_name_warns_with_suggestion_with_form(capfd):
+def test_unmatched_tap_name_warns_with_suggestion(capfd, form):
     with pytest.warns(tap.TapWarning, match=r"'cholsky'.*did you mean 'cholesky'\?"):
-        with tap.record(taps=[tap.watch_nan("cholsky")]):
-            out = chol_scan(jnp.float32(2.0))
+        out, _ = form.run(chol_scan, jnp.float32(2.0), taps=[tap.watch_nan("cholsky")])
     assert_bitwise(out, chol_scan(jnp.float32(2.0)))
     assert tap_lines(capfd) == []  # nothing matched: no FAIL line despite the NaN
 
@@ -632,34 +605,14 @@ def test_carry_alert_raising_does_not_block_on_step(capfd):
     assert_bitwise(out, accumulator(jnp.float32(0.0)))
 
 
-def test_compiled_program_identical_with_or_without_alert_b_form():
+def test_compiled_program_identical_with_or_without_alert(form):
     cb = lambda e: None  # noqa: E731
     sel = lambda leaves: leaves[0]  # noqa: E731
     x0 = jnp.float32(0.0)
-    plain = tap.verbose(accumulator, on_step=cb, select=sel)
-    alerted = tap.verbose(accumulator, on_step=cb, select=sel, alert=threshold_alert, alert_once=True)
-    j_plain = str(jax.make_jaxpr(plain)(x0))
-    j_alert = str(jax.make_jaxpr(alerted)(x0))
-    assert "callback" in j_plain  # really tapped
-    assert j_plain == j_alert
-    assert tap.primitives(plain, x0) == tap.primitives(alerted, x0)
-    l_plain = jax.jit(plain).lower(x0).as_text()
-    l_alert = jax.jit(alerted).lower(x0).as_text()
-    assert l_plain == l_alert
-    assert l_plain != jax.jit(accumulator).lower(x0).as_text()
-
-
-def test_compiled_program_identical_with_or_without_alert_with_form():
-    cb = lambda e: None  # noqa: E731
-    sel = lambda leaves: leaves[0]  # noqa: E731
-    x0 = jnp.float32(0.0)
-    untapped = jax.jit(accumulator).lower(x0).as_text()
-    with tap.record(on_step=cb, select=sel):
-        a = jax.jit(accumulator).lower(x0).as_text()
-    with tap.record(on_step=cb, select=sel, alert=threshold_alert, alert_once=True):
-        b = jax.jit(accumulator).lower(x0).as_text()
-    assert a != untapped  # really tapped
-    assert a == b
+    plain = form.lowered(accumulator, x0, on_step=cb, select=sel)
+    alerted = form.lowered(accumulator, x0, on_step=cb, select=sel, alert=threshold_alert, alert_once=True)
+    assert plain != jax.jit(accumulator).lower(x0).as_text()  # really tapped
+    assert plain == alerted
 
 
 def test_alert_only_still_observes():

@@ -8,6 +8,7 @@ pytree from host copies and hands a :class:`TapEvent` to a sink.
 from __future__ import annotations
 
 import itertools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -98,7 +99,23 @@ class Meta:
         self.gated = gated
 
 
-class Block(Meta):
+class Layout(NamedTuple):
+    """How one payload value crosses: its ``n_dyn`` arrays travel, its other
+    leaves (``static``: position -> value) stay on the host; ``treedef``
+    rebuilds the ``count`` leaves."""
+
+    static: dict
+    treedef: Any
+    count: int
+    n_dyn: int
+
+    @property
+    def bare(self) -> bool:
+        """One array and nothing else: delivered as it is, no tree."""
+        return self.count == 1 and self.n_dyn == 1 and self.treedef.num_nodes == 1
+
+
+class Block:
     """A whole inner scan's events, shipped as one payload of its enclosing
     buffered step: every sub-entry's values stacked over the scan's steps.
 
@@ -106,25 +123,27 @@ class Block(Meta):
     events (and nested blocks), so the inner loop needs no callback at all.
     """
 
-    __slots__ = ("subs", "length", "metas", "layouts")
+    __slots__ = ("length", "metas", "layouts")
+    gated = False
 
-    def __init__(self, subs, length):
-        super().__init__(None, None, None, length, "block")
-        self.subs = subs  # Side entries of one step: (meta, static, treedef, n, n_dyn)
+    def __init__(self, metas, layouts, length):
+        self.metas = list(metas)  # one step's entries (Meta or Block) ...
+        self.layouts = list(layouts)  # ... and their Layouts
         self.length = length
-        self.metas = [sub[0] for sub in subs]
-        self.layouts = [sub[1:] for sub in subs]
 
     def expand(self, arrays, lane, guard):
         """Deliver every step of ``arrays`` (host, one per value, steps leading)."""
         n = self.length
-        if len(self.subs) == 1 and not isinstance(self.subs[0][0], Block) and not self.subs[0][0].gated:
-            meta, static, treedef, count, n_dyn = self.subs[0]
-            if count == 1 and n_dyn == 1 and treedef.num_nodes == 1:  # one bare array a step: a column
-                _deliver_column(meta, guard, list(range(n)), arrays[0], n, lane)
-                return
+        if len(self.metas) == 1 and _is_column(self.metas[0], self.layouts[0]):
+            _deliver_column(self.metas[0], guard, list(range(n)), arrays[0], n, lane)
+            return
         for step in range(n):
             _deliver_row(self.metas, self.layouts, guard, step, arrays, step, lane)  # rows in execution order
+
+
+def _is_column(meta, layout) -> bool:
+    """One bare array a step for an ungated event: the hot path."""
+    return layout.bare and not isinstance(meta, Block) and not meta.gated
 
 
 def _split_all(values):
@@ -133,26 +152,27 @@ def _split_all(values):
     for value in values:
         dynamic, static, treedef, n = _split_payload(value)
         operands.extend(dynamic)
-        layouts.append((static, treedef, n, len(dynamic)))
+        layouts.append(Layout(static, treedef, n, len(dynamic)))
     return operands, layouts
 
 
 def _deliver_row(metas, layouts, guard, step, arrays, row, lane):
     """Rebuild and deliver each meta's event from host arrays (``row`` of a buffer)."""
     offset = 0
-    for meta, (static, treedef, n, n_dyn) in zip(metas, layouts):
-        mine, offset = arrays[offset:offset + n_dyn], offset + n_dyn
+    for meta, layout in zip(metas, layouts):
+        mine, offset = arrays[offset:offset + layout.n_dyn], offset + layout.n_dyn
+        static = layout.static
         try:
-            if n == 1 and n_dyn == 1 and treedef.num_nodes == 1 and not isinstance(meta, Block):
+            if layout.bare and not isinstance(meta, Block):
                 value = _own(mine[0] if row is None else mine[0][row])  # a bare array: no tree
             else:
                 it = iter(mine)
                 leaves = [static[i] if i in static else _own(next(it) if row is None else next(it)[row])
-                          for i in range(n)]
+                          for i in range(layout.count)]
                 if isinstance(meta, Block):
                     meta.expand(leaves, lane, guard)
                     continue
-                value = jax.tree_util.tree_unflatten(treedef, leaves)
+                value = jax.tree_util.tree_unflatten(layout.treedef, leaves)
             if meta.gated:
                 fired, value = value
                 if not fired:
@@ -215,18 +235,18 @@ def _own(x):
     return _to_host(x)
 
 
-def make_host_fn(metas, layouts, guard: Guard, sample_every, flagged=False):
+def make_host_fn(metas, layouts, guard: Guard, sample_every, conditional=False):
     """The host half of a per-step hop: rebuild each event, never raising.
 
     Returns ``host(step, [flag], *arrays, lane=None)``.
     """
 
-    single = len(metas) == 1 and layouts[0][2] == 1 and layouts[0][3] == 1 and layouts[0][1].num_nodes == 1
+    single = len(metas) == 1 and layouts[0].bare
 
     def lanes(step, *arrays):
         """Every lane of a vmapped hop: each array has a leading lane axis."""
         n = len(step)
-        if not single or flagged or sample_every > 1:
+        if not single or conditional or sample_every > 1:
             for lane in range(n):
                 host(step[lane], *[a[lane] for a in arrays], lane=lane)
             return
@@ -234,7 +254,7 @@ def make_host_fn(metas, layouts, guard: Guard, sample_every, flagged=False):
 
     def host(step, *arrays, lane=None):
         try:
-            if flagged:
+            if conditional:
                 # Under vmap a gating cond runs both branches for every lane:
                 # the flag says whether this lane really fired.
                 flag, arrays = arrays[0], arrays[1:]
@@ -263,11 +283,8 @@ def make_buffer_host(metas, layouts, guard: Guard):
         except Exception as exc:  # noqa: BLE001
             guard.failed(exc)
             return
-        if (len(metas) == 1 and len(arrays) == 1 and layouts[0][2] == 1 and layouts[0][1].num_nodes == 1
-                and not metas[0].gated and not isinstance(metas[0], Block)):
-            # the common case, one bare array per step: a tight loop
-            meta = metas[0]
-            _deliver_column(meta, guard, steps, arrays[0], count, lane)
+        if len(metas) == 1 and _is_column(metas[0], layouts[0]):
+            _deliver_column(metas[0], guard, steps, arrays[0], count, lane)  # the common case: a tight loop
             return
         for row in range(count):
             _deliver_row(metas, layouts, guard, steps[row], arrays, row, lane)
@@ -395,22 +412,22 @@ def _stage_hop(one, lanes, packed, batched):
     _hop(packed)
 
 
-def emit(metas, payloads, guard, *, step, sample_every, valid=None, batched_hop=True):
+def emit(metas, payloads, guard, *, step, sample_every, when=None, batched_hop=True):
     """Stage one host hop at ``step`` carrying one event per meta.
 
-    Gated on device by ``valid`` when given, else by ``step % sample_every
+    Gated on device by ``when`` if given, else by ``step % sample_every
     == 0``. ``payloads()`` (the users' selects) is only traced inside the
     gated branch, so steps that do not fire never run it. A carry tap and a
     y-tap of one loop share this one hop.
     """
-    flagged = valid is not None
+    conditional = when is not None
 
     def fire(step, *flag):
         operands, layouts = _split_all(payloads())
-        host = make_host_fn(metas, layouts, guard, sample_every, flagged)
+        host = make_host_fn(metas, layouts, guard, sample_every, conditional)
         hop(host, (step, *flag, *operands), batched_hop)
 
-    if not flagged and sample_every == 1:
+    if not conditional and sample_every == 1:
         fire(step)
         return
 
@@ -419,8 +436,8 @@ def emit(metas, payloads, guard, *, step, sample_every, valid=None, batched_hop=
         return ()
 
     with _seam.tap_scope():
-        if flagged:
-            jax.lax.cond(valid, gated, lambda *_: (), step, valid)
+        if conditional:
+            jax.lax.cond(when, gated, lambda *_: (), step, when)
         else:
             jax.lax.cond(step % sample_every == 0, gated, lambda *_: (), step)
 

@@ -274,6 +274,21 @@ _MAX_TOKENS = 32  # configurations remembered for reuse of their compilations
 _REGISTRY = _Registry()
 
 
+def snapshot() -> dict:
+    """The lens's resting state, for tests and debugging: open scopes, threads
+    holding one, remembered block configurations, intercepted primitives.
+
+    Examples
+    --------
+    >>> from jaxtap._lens import snapshot
+    >>> snapshot()
+    {'scopes': 0, 'threads': 0, 'configurations': 0, 'intercepted': 0}
+    """
+    with _REGISTRY.lock:
+        return {"scopes": _REGISTRY.n_active, "threads": len(_REGISTRY.stacks),
+                "configurations": len(_REGISTRY.tokens), "intercepted": len(_PATCHED)}
+
+
 def _collected(ref):
     """A context was garbage-collected while active: drop it."""
     for thread, stack in list(_REGISTRY.stacks.items()):

@@ -31,85 +31,118 @@ def handle_scan(walker, eqn, params, invals, scope, site):
     untapped). Differentiated, the derivatives are those of the user's own
     scan, and the driver runs on gradient-stopped inputs for the events.
     """
-    body, nc, ncar, length = _seam.scan_parts(params)
-    path, top = scope.address("scan", _seam.loop_site(_seam.scan_p, params, site))
-    wants = walker.loop_wants("scan", path)
-    emits = any(wants)
-    if not emits and not walker.needs(body.jaxpr):
-        return _bind(eqn, _seam.scan_p, invals, params)
+    scan = _ScanRewrite(walker, eqn, params, scope, site)
+    return scan.strategy()(list(invals))
 
-    sides = []
-    # an inner scan no longer than K may ride in its enclosing buffered step
-    as_block = (scope.side is not None and walker.plan.sample_every == 1
-                and length <= walker.plan.flush_every)
-    rows = scope.side.rows * length if as_block else walker.plan.flush_every
-    # inside a vmapped while body (or a branch of a batched cond), events of
-    # lanes that are not running are dropped: the flag enters every trace
-    gate = scope.alive
-    gates = [] if gate is None else [gate]
-    gate_avals = [] if gate is None else [_bool_aval()]
 
-    def stepped_body(counter, *args, buffered=True):
+class _ScanRewrite:
+    """One scan equation being rewritten: its parts, and the ways to emit it
+    (:meth:`strategy` picks one)."""
+
+    def __init__(self, walker, eqn, params, scope, site):
+        self.walker, self.eqn, self.params, self.scope = walker, eqn, params, scope
+        self.body, self.nc, self.ncar, self.length = _seam.scan_parts(params)
+        self.path, self.top = scope.address("scan", _seam.loop_site(_seam.scan_p, params, site))
+        self.wants = walker.loop_wants("scan", self.path)
+        self.emits = any(self.wants)
+        plan = walker.plan
+        # an inner scan no longer than K may ride in its enclosing buffered step
+        self.as_block = scope.side is not None and plan.sample_every == 1 and self.length <= plan.flush_every
+        self.rows = scope.side.rows * self.length if self.as_block else plan.flush_every
+        # inside a vmapped while body (or a branch of a batched cond), events of
+        # lanes that are not running are dropped: the flag enters every trace
+        self.lane_running = scope.lane_running
+        self.lane_flags = [] if self.lane_running is None else [self.lane_running]
+        self.stepped, self.side = None, None  # the traced step and its buffered taps (_trace_step)
+
+    def strategy(self):
+        """The rewrite for this scan: a function of its inputs."""
+        needs = self.walker.needs(self.body.jaxpr)
+        if (not self.emits and not needs) or self.length == 0:
+            return self.plain  # nothing to observe here or inside (or no step at all)
+        if self.as_block:
+            self._trace_step()
+            if self.emits or self.side is not None:
+                return self.block
+        if not self.emits and not self.walker.buffers:
+            return self.thread
+        if self.length == 1 and not needs:
+            return self.one_trip
+        self._trace_step()
+        if not self.emits and self.side is None:
+            return self.thread  # no buffered tap in this body after all
+        return self.driven
+
+    # ------------------------------------------------------------- the step
+    def _step(self, counter, *args, buffered=True):
         # JAX never differentiates what runs here (see _seam.observed), so
-        # taps may use the vmap-aware hop (diff=False)
-        args, alive = (args[:-1], args[-1]) if gates else (args, None)
-        side = Side(rows) if walker.buffers and buffered else None
-        child = scope.child(path, Counter(), counter, length, top, diff=False, side=side)
-        child.alive = alive
-        outs = interpret(walker, body.jaxpr, body.consts, list(args), child)
+        # taps may use the vmap-aware hop (differentiable=False)
+        args, lane_running = (args[:-1], args[-1]) if self.lane_flags else (args, None)
+        side = Side(self.rows) if self.walker.buffers and buffered else None
+        child = self.scope.child(self.path, Counter(), counter, self.length, self.top, differentiable=False, side=side)
+        child.lane_running = lane_running
+        outs = interpret(self.walker, self.body.jaxpr, self.body.consts, list(args), child)
         if side is None:
             return outs
-        sides[:] = [side]
+        self._sides = [side]
         return list(outs) + side.values  # buffered primitive-tap values ride out
 
-    def in_body(*args):
-        # a scan that does not emit itself: its step counter rides in the carry
-        # for the taps inside it
-        ng = len(gates)
+    def _trace_step(self):
+        if self.stepped is None:
+            self._sides = []
+            self.stepped = _seam.trace_closed(self._step, [_int32_aval()] + list(self.body.in_avals)
+                                              + [_bool_aval()] * len(self.lane_flags))
+            self.side = self._sides[0] if self._sides and self._sides[0].entries else None
+
+    # ------------------------------------------------------------ strategies
+    def plain(self, invals):
+        return _bind(self.eqn, _seam.scan_p, list(invals), self.params)
+
+    def _plain(self, *args):
+        return self.plain(args)
+
+    def thread(self, invals):
+        """A scan that does not emit itself: its step counter rides in the
+        carry for the taps inside it."""
+        return _seam.observed(self._counted, self._plain, invals)
+
+    def _counted(self, *args):
+        nc, ng = self.nc, len(self.lane_flags)
 
         def fn(*a):
             consts, flags, counter, rest = a[:nc], a[nc:nc + ng], a[nc + ng], a[nc + ng + 1:]
-            outs = stepped_body(counter, *consts, *rest, *flags, buffered=False)
+            outs = self._step(counter, *consts, *rest, *flags, buffered=False)
             return [lax.add(counter, _one())] + list(outs)
 
-        avals = list(body.in_avals)
-        new_body = _seam.trace_closed(fn, avals[:nc] + gate_avals + [_int32_aval()] + avals[nc:])
-        new_params = _seam.scan_with_counter(params, new_body, extra_consts=ng)
-        outs = _bind(eqn, _seam.scan_p, list(args[:nc]) + gates + [np.int32(0)] + list(args[nc:]), new_params)
+        avals = list(self.body.in_avals)
+        new_body = _seam.trace_closed(fn, avals[:nc] + [_bool_aval()] * ng + [_int32_aval()] + avals[nc:])
+        new_params = _seam.scan_with_counter(self.params, new_body, extra_consts=ng)
+        outs = _bind(self.eqn, _seam.scan_p, list(args[:nc]) + self.lane_flags + [np.int32(0)] + list(args[nc:]),
+                     new_params)
         return outs[1:]
 
-    def plain(*args):
-        return _bind(eqn, _seam.scan_p, list(args), params)
+    def block(self, invals):
+        """Inside a buffered step: this whole scan becomes one Block of that
+        step, collected by a callback-free driver (never differentiated),
+        unless the block would make the device buffer too large."""
+        return _scan_driver(self.walker, self.wants, self.params, self.stepped, self.path, self.top, invals,
+                            self.side, self.lane_running, collect=self.scope.side)
 
-    if length == 0:
-        return plain(*invals)  # no step to observe
-    if as_block:
-        # Inside a buffered step: this whole scan becomes one Block of that
-        # step, collected by a callback-free driver (never differentiated),
-        # unless the block would make the device buffer too large.
-        stepped = _seam.trace_closed(stepped_body, [_int32_aval()] + list(body.in_avals) + gate_avals)
-        side = sides[0] if sides[0].entries else None
-        if emits or side is not None:
-            return _scan_driver(walker, wants, params, stepped, path, top, invals, side, gate, collect=scope.side)
-    if not emits and not walker.buffers:
-        return _seam.observed(in_body, plain, list(invals))
-    if length == 1 and not walker.needs(body.jaxpr):
-        # XLA inlines a one-trip loop: keep the scan as it is and observe its
-        # outputs after it (the carry after step 0, and ys[0])
-        outs = plain(*invals)
-        ys0 = [_seam.index_in_dim(y, np.int32(0)) for y in outs[ncar:]]
-        walker.emit_loop(wants, path, top, length, np.int32(0), outs[:ncar], ys0, valid=gate,
-                         batched_hop=scope.diff is False)
+    def one_trip(self, invals):
+        """XLA inlines a one-trip loop: keep the scan as it is and observe its
+        outputs after it (the carry after step 0, and ys[0])."""
+        outs = self.plain(invals)
+        ys0 = [_seam.index_in_dim(y, np.int32(0)) for y in outs[self.ncar:]]
+        self.walker.emit_loop(self.wants, self.path, self.top, self.length, np.int32(0), outs[:self.ncar], ys0,
+                              when=self.lane_running, batched_hop=self.scope.differentiable is False)
         return outs
-    stepped = _seam.trace_closed(stepped_body, [_int32_aval()] + list(body.in_avals) + gate_avals)
-    side = sides[0] if sides and sides[0].entries else None
-    if not emits and side is None:
-        return _seam.observed(in_body, plain, list(invals))  # no buffered tap in this body after all
 
-    def driven(*args):
-        return _scan_driver(walker, wants, params, stepped, path, top, args, side, gate)
+    def driven(self, invals):
+        def run(*args):
+            return _scan_driver(self.walker, self.wants, self.params, self.stepped, self.path, self.top, args,
+                                self.side, self.lane_running)
 
-    return _seam.observed(driven, plain, list(invals))
+        return _seam.observed(run, self._plain, invals)
 
 
 def _next_stop(i, k):
@@ -121,16 +154,16 @@ class Runner(NamedTuple):
     """The effect-free half of a tapped loop, as the driver sees it.
 
     ``run_until(i, stop, state) -> (i2, state2)`` runs user steps
-    ``i .. stop-1`` (fewer if the loop ends); ``alive(i, state)`` says whether
+    ``i .. stop-1`` (fewer if the loop ends); ``goes_on(i, state)`` says whether
     the loop goes on; ``observe(last, state) -> (carry, ys, side values)`` is
     what a step's tap sees. ``total``: a scan's length (None for a while
     loop); ``uniform``: every runner call ends on a sampled step unless the
-    loop ended (a scan), so ``sample_every=1`` needs no gate.
+    loop ended (a scan), so ``sample_every=1`` needs no lane_running.
     """
 
     state: list
     run_until: Callable
-    alive: Callable
+    goes_on: Callable
     observe: Callable
     total: Optional[int]
     uniform: bool
@@ -154,11 +187,11 @@ class Runner(NamedTuple):
 
 
 class _Hop(NamedTuple):
-    """State of a driver that emits every sampled step (a scan drops ``live``)."""
+    """State of a driver that emits every sampled step (a scan drops ``goes_on``)."""
 
     i: Any
     k: Any
-    live: Any
+    goes_on: Any
     state: list
 
 
@@ -167,12 +200,12 @@ class _Fill(NamedTuple):
 
     i: Any
     row: Any
-    live: Any
+    goes_on: Any
     state: list
     buffers: list
 
 
-def _drive(walker, wants, path, top, runner: Runner, side=None, collect=None, gate=None):
+def _drive(walker, wants, path, top, runner: Runner, side=None, collect=None, lane_running=None):
     """The driver: run the effect-free runner up to each sampled step, emit.
 
     With ``flush_every=K``, K sampled steps are buffered on device and cross
@@ -180,7 +213,7 @@ def _drive(walker, wants, path, top, runner: Runner, side=None, collect=None, ga
     latest values the runner carries. ``collect`` (a scan inside a buffered
     step, sample_every=1): every step is written to one buffer of the scan's
     length, with no callback, and the buffer joins ``collect`` (the
-    enclosing step's Side) as a Block. ``gate``: a lane flag; where it is
+    enclosing step's Side) as a Block. ``lane_running``: a lane flag; where it is
     false (a finished lane of an enclosing vmapped while loop) nothing is
     emitted. Returns the runner's final state.
     """
@@ -199,25 +232,25 @@ def _drive(walker, wants, path, top, runner: Runner, side=None, collect=None, ga
     k0 = _seam.optimization_barrier(np.int32(walker.plan.sample_every))
     if walker.plan.flush_every is None:
         drive = _drive_scan if runner.uniform else _drive_while
-        return drive(walker, metas, payloads, runner, k0, gate)
+        return drive(walker, metas, payloads, runner, k0, lane_running)
     if collect is not None:
         out = _collect(metas, payloads, runner, k0, walker.sinks.guard, collect)
         if out is not None:
             return out
-    return _drive_buffered(walker, metas, payloads, runner, k0, gate)
+    return _drive_buffered(walker, metas, payloads, runner, k0, lane_running)
 
 
-def _drive_scan(walker, metas, payloads, runner, k0, gate):
+def _drive_scan(walker, metas, payloads, runner, k0, lane_running):
     """A scan, one hop per sampled step: the driver stops right after the last
     sampled step, so every runner call ends on a sampled step and the hop
-    needs no gate; the steps after it run in one more runner call."""
+    needs no lane_running; the steps after it run in one more runner call."""
     every = walker.plan.sample_every
 
     def d_body(s):
         i, k, st = s[0], s[1], list(s[2:])
         i2, st2, last, _ = runner.advance(i, k, st)
         seen = runner.observe(last, st2)
-        emit(metas, lambda: payloads(*seen), walker.sinks.guard, step=last, sample_every=1, valid=gate)
+        emit(metas, lambda: payloads(*seen), walker.sinks.guard, step=last, sample_every=1, when=lane_running)
         return (i2, k, *st2)
 
     stop = runner.last_sampled(every)
@@ -225,7 +258,7 @@ def _drive_scan(walker, metas, payloads, runner, k0, gate):
     return runner.finish(out[0], list(out[2:]), every)
 
 
-def _drive_while(walker, metas, payloads, runner, k0, gate):
+def _drive_while(walker, metas, payloads, runner, k0, lane_running):
     """A while loop, one hop per sampled step, gated by "sampled"."""
     n_state = len(runner.state)
 
@@ -234,24 +267,24 @@ def _drive_while(walker, metas, payloads, runner, k0, gate):
         i2, st2, last, sampled = runner.advance(s.i, s.k, s.state)
         seen = runner.observe(last, st2)
         emit(metas, lambda: payloads(*seen), walker.sinks.guard, step=last, sample_every=walker.plan.sample_every,
-             valid=_both(sampled, gate))
-        return (i2, s.k, runner.alive(i2, st2), *st2)
+             when=_both(sampled, lane_running))
+        return (i2, s.k, runner.goes_on(i2, st2), *st2)
 
     start = np.int32(0)
-    out = _seam.while_loop(lambda s: s[2], d_body, (start, k0, runner.alive(start, runner.state), *runner.state))
+    out = _seam.while_loop(lambda s: s[2], d_body, (start, k0, runner.goes_on(start, runner.state), *runner.state))
     return list(out[3:])
 
 
-def _drive_buffered(walker, metas, payloads, runner, k0, gate):
+def _drive_buffered(walker, metas, payloads, runner, k0, lane_running):
     """Buffered: K sampled steps written on device, one hop per flush."""
     every, flush = walker.plan.sample_every, walker.plan.flush_every
     if runner.uniform:
         flush = min(flush, runner.total)  # a scan never needs more rows than steps
     buf = Buffer(metas, payloads, runner.observe, flush, walker.sinks.guard)
-    alive = runner.alive
-    if runner.uniform:  # a scan: stop after the last sampled step (as unbuffered), no write gate
+    goes_on = runner.goes_on
+    if runner.uniform:  # a scan: stop after the last sampled step (as unbuffered), no write lane_running
         stop = runner.last_sampled(every)
-        alive = lambda i, st: lax.lt(i, stop)  # noqa: E731
+        goes_on = lambda i, st: lax.lt(i, stop)  # noqa: E731
     n_state = len(runner.state)
 
     def d_body(flat):
@@ -260,21 +293,21 @@ def _drive_buffered(walker, metas, payloads, runner, k0, gate):
         def c_body(cflat):
             c = _Fill(cflat[0], cflat[1], cflat[2], list(cflat[3:3 + n_state]), list(cflat[3 + n_state:]))
             i2, st2, last, sampled = runner.advance(c.i, s.k, c.state)
-            row, bufs = buf.write(_both(None if runner.uniform else sampled, gate), c.row, last, st2, c.buffers)
-            return (i2, row, alive(i2, st2), *st2, *bufs)
+            row, bufs = buf.write(_both(None if runner.uniform else sampled, lane_running), c.row, last, st2, c.buffers)
+            return (i2, row, goes_on(i2, st2), *st2, *bufs)
 
         cflat = _seam.while_loop(lambda c: lax.bitwise_and(c[2], lax.lt(c[1], np.int32(flush))), c_body,
-                                 (s.i, np.int32(0), s.live, *s.state, *buf.empty()))
+                                 (s.i, np.int32(0), s.goes_on, *s.state, *buf.empty()))
         c = _Fill(cflat[0], cflat[1], cflat[2], list(cflat[3:3 + n_state]), list(cflat[3 + n_state:]))
         buf.flush(c.row, c.buffers)
-        return (c.i, s.k, c.live, *c.state)
+        return (c.i, s.k, c.goes_on, *c.state)
 
     buf.prepare(runner.state)
     # a buffer bigger than _BUFFER_BYTES flushes sooner than asked (a while
     # loop's length is unknown, and K=10**9 must not allocate 10**9 rows)
     flush = buf.capacity = max(1, min(flush, _BUFFER_BYTES // max(1, buf.row_bytes())))
     start = np.int32(0)
-    out = _seam.while_loop(lambda s: s[2], d_body, (start, k0, alive(start, runner.state), *runner.state))
+    out = _seam.while_loop(lambda s: s[2], d_body, (start, k0, goes_on(start, runner.state), *runner.state))
     st = list(out[3:])
     return runner.finish(out[0], st, every) if runner.uniform else st
 
@@ -301,12 +334,11 @@ def _collect(metas, payloads, runner, k, guard, into):
         return (i2, j2, *st2, *bufs2)
 
     cs = _seam.while_loop(lambda cs: lax.lt(cs[0], n), c_body, (np.int32(0), np.int32(0), *state, *buf.empty()))
-    subs = [(meta, *layout) for meta, layout in zip(metas, buf.layouts)]
-    into.add(Block(subs, total), list(cs[3 + n_state:]))  # rows in execution order; steps implied
+    into.add(Block(metas, buf.layouts, total), list(cs[3 + n_state:]))  # rows in execution order; steps implied
     return list(cs[2:2 + n_state])
 
 
-def _scan_driver(walker, wants, params, stepped, path, top, args, side, gate=None, collect=None):
+def _scan_driver(walker, wants, params, stepped, path, top, args, side, lane_running=None, collect=None):
     body, nc, ncar, length = _seam.scan_parts(params)
     reverse = _seam.scan_reverse(params)
     consts, carry, xs = args[:nc], args[nc:nc + ncar], args[nc + ncar:]
@@ -323,7 +355,7 @@ def _scan_driver(walker, wants, params, stepped, path, top, args, side, gate=Non
             i, c, ys = s[0], s[2:2 + ncar], s[2 + ncar:2 + ncar + nys]
             idx = position(i)
             x = [_seam.index_in_dim(v, idx) for v in xs]
-            outs = _seam.call_closed(stepped, [i, *consts, *c, *x] + ([] if gate is None else [gate]))
+            outs = _seam.call_closed(stepped, [i, *consts, *c, *x] + ([] if lane_running is None else [lane_running]))
             ys = [_seam.update_index_in_dim(b, y, idx) for b, y in zip(ys, outs[ncar:ncar + nys])]
             return (lax.add(i, _one()), s[1], *outs[:ncar], *ys, *outs[ncar + nys:])
 
@@ -338,7 +370,7 @@ def _scan_driver(walker, wants, params, stepped, path, top, args, side, gate=Non
         wants = (wants[0], False)  # a body returning (carry, None) has no outputs
     state = [*carry, *ys0, *side0]
     runner = Runner(state, run_until, lambda i, st: lax.lt(i, n), observe, length, uniform=True)
-    out = _drive(walker, wants, path, top, runner, side=side, collect=collect, gate=gate)
+    out = _drive(walker, wants, path, top, runner, side=side, collect=collect, lane_running=lane_running)
     return out[:ncar + nys]
 
 
@@ -370,77 +402,93 @@ def handle_while(walker, eqn, params, invals, scope, site):
 
 
 def _tapped_while(walker, scope, path, top, wants, emits, cond, cnc, body, bnc, invals):
-    cconsts, bconsts, init = invals[:cnc], invals[cnc:cnc + bnc], invals[cnc + bnc:]
+    loop = _WhileRewrite(walker, scope, path, top, cond, cnc, body, bnc, invals)
+    if not emits and loop.side is None:
+        return loop.thread()  # nothing to emit here: only thread the step through for the inner taps
+    out = _drive(walker, wants, path, top, loop.runner(), side=loop.side, lane_running=loop.lane_running)
+    return out[:len(loop.init)]
 
-    def lane_pred(carry, cc=cconsts):
-        return _seam.eval_jaxpr(cond.jaxpr, cond.consts, *cc, *carry)[0]
 
-    # A while loop that vmap batched keeps a per-lane predicate: it runs while
-    # any lane is alive and finished lanes keep their carry (as its lowering does).
-    batched = bool(cond.out_avals[0].shape)
+class _WhileRewrite:
+    """One while loop being rewritten: its cond and body as the runner and
+    the inner taps need them."""
 
-    def user_cond(carry):
-        pred = lane_pred(carry)
-        return _seam.any_lane(pred) if batched else pred
+    def __init__(self, walker, scope, path, top, cond, cnc, body, bnc, invals):
+        self.walker, self.scope, self.path, self.top = walker, scope, path, top
+        self.cond, self.body = cond, body
+        self.cconsts, self.bconsts, self.init = invals[:cnc], invals[cnc:cnc + bnc], invals[cnc + bnc:]
+        # A while loop that vmap batched keeps a per-lane predicate: it runs while
+        # any lane is running and finished lanes keep their carry (as its lowering does).
+        self.batched = bool(cond.out_avals[0].shape)
+        self.lane_running = scope.lane_running  # an enclosing lane flag (see handle_scan)
+        self.lane_flags = [] if self.lane_running is None else [self.lane_running]
+        self.stepped, self.side = None, None
+        if walker.buffers and walker.needs(body.jaxpr):
+            self._trace_step()
 
-    sides = []
-    gate = scope.alive  # an enclosing lane flag (see handle_scan)
-    gates = [] if gate is None else [gate]
+    def lane_pred(self, carry, cc=None):
+        cc = self.cconsts if cc is None else cc
+        return _seam.eval_jaxpr(self.cond.jaxpr, self.cond.consts, *cc, *carry)[0]
 
-    def user_body(step, carry, bc=bconsts, cc=cconsts, buffered=False, outer=gate):
-        side = Side(walker.plan.flush_every) if buffered else None
+    def user_cond(self, carry):
+        pred = self.lane_pred(carry)
+        return _seam.any_lane(pred) if self.batched else pred
+
+    def user_body(self, step, carry, bc=None, cc=None, buffered=False, outer=None):
+        bc = self.bconsts if bc is None else bc
+        side = Side(self.walker.plan.flush_every) if buffered else None
         # a while body is never transposed: its taps may use the vmap-aware hop
-        child = scope.child(path, Counter(), step, None, top, diff=False, side=side)
-        # (a while that vmap already batched runs every lane as one value: no gate)
-        child.alive = _both(None if batched else lane_pred(carry, cc), outer)
-        outs = interpret(walker, body.jaxpr, body.consts, list(bc) + list(carry), child)
-        if batched:
-            pred = lane_pred(carry, cc)
+        child = self.scope.child(self.path, Counter(), step, None, self.top, differentiable=False, side=side)
+        # (a while that vmap already batched runs every lane as one value: no lane_running)
+        child.lane_running = _both(None if self.batched else self.lane_pred(carry, cc), outer)
+        outs = interpret(self.walker, self.body.jaxpr, self.body.consts, list(bc) + list(carry), child)
+        if self.batched:
+            pred = self.lane_pred(carry, cc)
             outs = [_seam.select_lanes(pred, new, old) for new, old in zip(outs, carry)]
         if side is not None:
-            sides[:] = [side]
+            self._sides = [side]
             outs = list(outs) + side.values  # buffered primitive-tap values ride out
         return outs
 
-    ncarry, nb, nk, stepped = len(init), len(bconsts), len(cconsts), None
-    if walker.buffers and walker.needs(body.jaxpr):
+    def _trace_step(self):
         # the consts enter as arguments: a traced step must not close over tracers
-        ng = len(gates)
-        stepped = _seam.trace_closed(
-            lambda step, *a: user_body(step, a[nb + nk + ng:], a[:nb], a[nb:nb + nk], buffered=True,
-                                       outer=a[nb + nk] if ng else None),
-            [_int32_aval()] + [_seam.abstractify(x) for x in [*bconsts, *cconsts, *gates, *init]])
-        if not sides[0].entries:
-            stepped = None  # no buffered tap in this body after all
-    side = sides[0] if stepped is not None else None
+        nb, nk, ng = len(self.bconsts), len(self.cconsts), len(self.lane_flags)
+        self._sides = []
+        self.stepped = _seam.trace_closed(
+            lambda step, *a: self.user_body(step, a[nb + nk + ng:], a[:nb], a[nb:nb + nk], buffered=True,
+                                            outer=a[nb + nk] if ng else None),
+            [_int32_aval()] + [_seam.abstractify(x) for x in [*self.bconsts, *self.cconsts, *self.lane_flags,
+                                                               *self.init]])
+        if self._sides[0].entries:
+            self.side = self._sides[0]
+        else:
+            self.stepped = None  # no buffered tap in this body after all
 
-    if not emits and side is None:
-        # Nothing to emit here: only thread the step through for the inner taps.
-        def plain_body(s):
-            return (lax.add(s[0], _one()), *user_body(s[0], s[1:]))
+    def thread(self):
+        def body(s):
+            return (lax.add(s[0], _one()), *self.user_body(s[0], s[1:], outer=self.lane_running))
 
-        out = _seam.while_loop(lambda s: user_cond(s[1:]), plain_body, (np.int32(0), *init))
+        out = _seam.while_loop(lambda s: self.user_cond(s[1:]), body, (np.int32(0), *self.init))
         return list(out[1:])
 
-    def step_fn(step, carry):
-        if stepped is None:
-            return user_body(step, carry)
-        return _seam.call_closed(stepped, [step, *bconsts, *cconsts, *gates, *carry])
+    def step(self, step, carry):
+        if self.stepped is None:
+            return self.user_body(step, carry, outer=self.lane_running)
+        return _seam.call_closed(self.stepped, [step, *self.bconsts, *self.cconsts, *self.lane_flags, *carry])
 
-    def run_until(i, stop, state):
-        def r_cond(s):
-            return lax.bitwise_and(user_cond(s[2:2 + ncarry]), lax.lt(s[0], s[1]))
+    def runner(self) -> Runner:
+        ncarry = len(self.init)
 
-        def r_body(s):
-            return (lax.add(s[0], _one()), s[1], *step_fn(s[0], s[2:2 + ncarry]))
+        def run_until(i, stop, state):
+            def r_cond(s):
+                return lax.bitwise_and(self.user_cond(s[2:2 + ncarry]), lax.lt(s[0], s[1]))
 
-        out = _seam.while_loop(r_cond, r_body, (i, stop, *state))
-        return out[0], list(out[2:])
+            def r_body(s):
+                return (lax.add(s[0], _one()), s[1], *self.step(s[0], s[2:2 + ncarry]))
 
-    side0 = [] if stepped is None else [_seam.empty_like(a) for a in stepped.out_avals[ncarry:]]
-    runner = Runner(list(init) + side0, run_until, lambda i, st: user_cond(st[:ncarry]),
-                    lambda last, st: (st[:ncarry], [], st[ncarry:]), None, uniform=False)
-    out = _drive(walker, wants, path, top, runner, side=side, gate=gate)
-    return out[:ncarry]
+            out = _seam.while_loop(r_cond, r_body, (i, stop, *state))
+            return out[0], list(out[2:])
 
-
+        side0 = [] if self.stepped is None else [_seam.empty_like(a) for a in self.stepped.out_avals[ncarry:]]
+        return Runner(list(self.init) + side0, run_until, lambda i, st: self.user_cond(st[:ncarry]),
+                      lambda last, st: (st[:ncarry], [], st[ncarry:]), None, uniform=False)

@@ -77,9 +77,9 @@ class Counter:
 class Scope:
     """Where the walk is: address prefix, numbering, innermost loop's step."""
 
-    __slots__ = ("prefix", "counter", "in_loop", "step", "total", "top", "diff", "side", "alive")
+    __slots__ = ("prefix", "counter", "in_loop", "step", "total", "top", "differentiable", "side", "lane_running")
 
-    def __init__(self, prefix, counter, in_loop, step, total, top=None, diff=True, side=None):
+    def __init__(self, prefix, counter, in_loop, step, total, top=None, differentiable=True, side=None):
         self.prefix = prefix
         self.counter = counter
         self.in_loop = in_loop
@@ -88,13 +88,13 @@ class Scope:
         self.top = top  # (name, site) of the outermost segment of `prefix`
         # False inside a runner, which JAX never differentiates: taps there may
         # use the vmap-aware single hop (it has no transpose rule)
-        self.diff = diff
+        self.differentiable = differentiable
         # a Side collecting buffered primitive-tap values of this trace (set
         # by a buffered loop's step and by sub-traces that export to it)
         self.side = side
         # a while body's own predicate: under vmap, lanes that have finished
         # still run the body, and their primitive taps must stay silent
-        self.alive = None
+        self.lane_running = None
 
     def address(self, name, site):
         """(path, top) of the next `name` node at this level."""
@@ -103,8 +103,8 @@ class Scope:
             return f"{self.prefix}/{seg}", self.top
         return seg, (name, site)
 
-    def child(self, prefix, counter, step, total, top, in_loop=True, diff=None, side=None):
-        return Scope(prefix, counter, in_loop, step, total, top, self.diff if diff is None else diff, side)
+    def child(self, prefix, counter, step, total, top, in_loop=True, differentiable=None, side=None):
+        return Scope(prefix, counter, in_loop, step, total, top, self.differentiable if differentiable is None else differentiable, side)
 
 
 class Sinks:
@@ -220,17 +220,17 @@ class Walker:
                                                         what="scan outputs (ys)"))
         return metas, lambda carry, ys: [sel(carry, ys) for sel in selects]
 
-    def emit_loop(self, wants, path, top, total, step, carry, ys=(), valid=None, batched_hop=True):
+    def emit_loop(self, wants, path, top, total, step, carry, ys=(), when=None, batched_hop=True):
         """One hop for a loop step: its carry event and/or its ys event."""
         if wants[1] and not ys:
             wants = (wants[0], False)  # a body returning (carry, None) has no outputs
         metas, payloads = self.loop_parts(wants, path, top, total)
         if metas:
             emit(metas, lambda: payloads(carry, ys), self.sinks.guard, step=step,
-                 sample_every=self.plan.sample_every, valid=valid, batched_hop=batched_hop)
+                 sample_every=self.plan.sample_every, when=when, batched_hop=batched_hop)
 
     def emit_prims(self, name, site, leaf_float, invals, outs, scope):
-        """Primitive taps on one equation: one address, one hop per gate."""
+        """Primitive taps on one equation: one address, one hop per condition."""
         taps = [(i, t) for i, t in enumerate(self.plan.prim_taps) if t.prim == name]
         births = self._births if leaf_float else []
         if not taps and not births:
@@ -255,20 +255,20 @@ class Walker:
                 metas.append(meta)
                 payloads.append(_prim_payload(t, chosen, path))
         if metas:
-            valid = scope.alive
-            if valid is not None and sampled is not None:
-                valid = lax.bitwise_and(valid, sampled)
+            when = scope.lane_running
+            if when is not None and sampled is not None:
+                when = lax.bitwise_and(when, sampled)
             emit(metas, lambda: [pf() for pf in payloads], self.sinks.guard, step=step, sample_every=every,
-                 valid=valid, batched_hop=not scope.diff)
+                 when=when, batched_hop=not scope.differentiable)
         for i, t in births:
             born = lax.bitwise_and(finite_flag(invals), lax.bitwise_not(finite_flag(outs)))
             meta = Meta(self.sinks.prims[i], path, top, total, "primitive")
             self._emit_when(born, sampled, meta, step, scope)
 
     def _emit_when(self, flag, sampled, meta, step, scope):
-        valid = _both(_both(flag, sampled), scope.alive)
-        emit([meta], lambda: [np.bool_(False)], self.sinks.guard, step=step, sample_every=1, valid=valid,
-             batched_hop=not scope.diff)
+        when = _both(_both(flag, sampled), scope.lane_running)
+        emit([meta], lambda: [np.bool_(False)], self.sinks.guard, step=step, sample_every=1, when=when,
+             batched_hop=not scope.differentiable)
 
 
 def _output(t: PrimTap, outs):
@@ -329,14 +329,14 @@ def interpret(walker: Walker, jaxpr, consts, args, scope: Scope):
 # ------------------------------------------------------------------ handlers
 def _threaded(scope, branch_index=None):
     """(avals, values) a sub-trace gets as extra trailing inputs: the
-    innermost step, the lane-alive flag, and a cond's branch index."""
+    innermost step, the lane-running flag, and a cond's branch index."""
     avals, values = [], []
     if scope.step is not None:
         avals.append(_int32_aval())
         values.append(scope.step)
-    if scope.alive is not None:
+    if scope.lane_running is not None:
         avals.append(_bool_aval())
-        values.append(scope.alive)
+        values.append(scope.lane_running)
     if branch_index is not None:
         avals.append(_seam.abstractify(branch_index))
         values.append(branch_index)
@@ -345,17 +345,17 @@ def _threaded(scope, branch_index=None):
 
 def _child_scope_fn(scope, prefix, counter, top=None, branch=None):
     """The scope of a sub-trace from its extra inputs (see _threaded). Inside
-    branch ``branch`` of a cond, ``alive`` also says "this branch ran": under
+    branch ``branch`` of a cond, ``lane_running`` also says "this branch ran": under
     vmap a cond on a batched predicate runs every branch for every lane."""
-    has_step, has_alive = scope.step is not None, scope.alive is not None
+    has_step, has_lane_running = scope.step is not None, scope.lane_running is not None
 
     def make(extra):
         step = extra[0] if has_step else None
         child = scope.child(prefix, counter, step, scope.total, top or scope.top, in_loop=scope.in_loop)
-        alive = extra[int(has_step)] if has_alive else None
+        lane_running = extra[int(has_step)] if has_lane_running else None
         if branch is not None and scope.in_loop:
-            alive = _both(alive, _branch_ran(extra[-1], branch))
-        child.alive = alive
+            lane_running = _both(lane_running, _branch_ran(extra[-1], branch))
+        child.lane_running = lane_running
         return child
 
     return make
@@ -414,7 +414,7 @@ def handle_cond(walker, eqn, params, invals, scope, site):
 def _buffered_cond(walker, eqn, params, args, scope, scope_fns, extra, saved, regions):
     """A cond whose branches hold buffered primitive taps: every branch
     returns every branch's values (its own; unspecified for the others), and
-    each value is kept with "this branch ran" as its gate."""
+    each value is kept with "this branch ran" as its condition."""
     scope.counter.restore(saved)  # the second tracing numbers nodes as the first did
     branches, sides = _seam.cond_branches(params), []
 

@@ -281,8 +281,9 @@ def snapshot() -> dict:
     Examples
     --------
     >>> from jaxtap._lens import snapshot
-    >>> snapshot()
-    {'scopes': 0, 'threads': 0, 'configurations': 0, 'intercepted': 0}
+    >>> state = snapshot()  # outside any block or wrapped call:
+    >>> state["scopes"], state["threads"], state["intercepted"]
+    (0, 0, 0)
     """
     with _REGISTRY.lock:
         return {"scopes": _REGISTRY.n_active, "threads": len(_REGISTRY.stacks),

@@ -16,7 +16,8 @@ from jax import lax
 
 from . import _seam
 from ._emit import Block, Buffer, Side, emit
-from ._rules import bind as _bind, bool_aval as _bool_aval, both as _both, int32_aval as _int32_aval, one as _one, register
+from ._rules import bind as _bind, bool_aval as _bool_aval, both as _both, int32_aval as _int32_aval, one as _one
+from ._rules import observed, register
 from ._transform import Counter, interpret
 
 
@@ -104,7 +105,7 @@ class _ScanRewrite:
     def thread(self, invals):
         """A scan that does not emit itself: its step counter rides in the
         carry for the taps inside it."""
-        return _seam.observed(self._counted, self._plain, invals)
+        return observed(self._counted, self._plain, invals)
 
     def _counted(self, *args):
         nc, ng = self.nc, len(self.lane_flags)
@@ -142,7 +143,7 @@ class _ScanRewrite:
             return _scan_driver(self.walker, self.wants, self.params, self.stepped, self.path, self.top, args,
                                 self.side, self.lane_running)
 
-        return _seam.observed(run, self._plain, invals)
+        return observed(run, self._plain, invals)
 
 
 def _next_stop(i, k):
@@ -398,7 +399,7 @@ def handle_while(walker, eqn, params, invals, scope, site):
     def tapped(*args):
         return _tapped_while(walker, scope, path, top, wants, emits, cond, cnc, body, bnc, list(args))
 
-    return _seam.observed(tapped, plain, list(invals))
+    return observed(tapped, plain, list(invals))
 
 
 def _tapped_while(walker, scope, path, top, wants, emits, cond, cnc, body, bnc, invals):

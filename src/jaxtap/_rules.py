@@ -1,4 +1,5 @@
-"""The rule registry both forms share, and the staging helpers rules use.
+"""The rule registry both forms share, the staging helpers rules use, and
+:func:`observed`: how every rewritten loop stays out of differentiation.
 
 A *rule* rewrites one equation of its primitive (``rule(walker, eqn,
 params, invals, scope, site) -> outs``; ``eqn`` is None when the with-form
@@ -14,8 +15,11 @@ neither imports the other's rules.
 """
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from . import _seam
 
@@ -71,3 +75,66 @@ def both(a, b):
     if a is None or b is None:
         return b if a is None else a
     return lax.bitwise_and(a, b)
+
+
+# ------------------------------------------------------------ differentiation
+def _zero_tangent(x):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
+def observed(tapped_fn, plain_fn, args):
+    """Evaluate ``tapped_fn(*args)``; differentiate ``plain_fn`` instead.
+
+    Both compute the same values; ``tapped_fn`` also emits. Under any
+    differentiation the derivatives (and the primal outputs) are exactly
+    those of ``plain_fn``, the user's untapped code, while ``tapped_fn``
+    runs on gradient-stopped inputs for its events alone.
+
+    Where an autodiff trace is active now (``jax.grad(f)`` eagerly, or
+    traced inside a jit), ``plain_fn`` is bound as it is, so JAX
+    differentiates it by the very rules it would use untapped (JAX >= 0.11
+    linearizes a scan directly, which a JVP rule followed by partial
+    evaluation does not reproduce bit for bit). Otherwise a ``custom_jvp``
+    defers the choice to whatever transformation comes later.
+    """
+    def tapped(*a):
+        # JAX may trace this later, outside the interception; loops inside
+        # it are observed, never differentiated, whatever the trace chain says
+        with _seam.quiet(), _seam.differentiated(False):
+            return list(tapped_fn(*a))
+
+    # The events-only run is one opaque equation to autodiff: partial
+    # evaluation (e.g. of jax.checkpoint) never looks inside it to recompute
+    # parts, which a while loop holding callbacks could not support.
+    events = jax.custom_jvp(tapped)
+
+    def events_rule(primals, tangents):
+        out = events(*primals)
+        return out, [_zero_tangent(o) for o in out]
+
+    events.defjvp(events_rule)
+
+    if _seam.differentiating():
+        events(*[jax.lax.stop_gradient(x) for x in args])
+        return list(plain_fn(*args))
+
+    f = jax.custom_jvp(tapped)
+
+    def rule(primals, tangents):
+        events(*[jax.lax.stop_gradient(p) for p in primals])
+        # inputs without a tangent stay constants of the derivative, as they
+        # are untapped (a rule may insist on symbolic zeros: lineax's solve)
+        moving = [i for i, t in enumerate(tangents) if not isinstance(t, SymbolicZero)]
+
+        def along(*moved):
+            a = list(primals)
+            for i, x in zip(moving, moved):
+                a[i] = x
+            return list(plain_fn(*a))
+
+        return jax.jvp(along, [primals[i] for i in moving], [tangents[i] for i in moving])
+
+    f.defjvp(rule, symbolic_zeros=True)
+    return f(*args)

@@ -27,7 +27,7 @@ from jax import lax
 from . import _seam
 from ._emit import Meta, Side, TapSelectError, emit, finite_flag, run_select
 from ._options import Plan, PrimTap
-from ._rules import RULES, register, ruled_names
+from ._rules import RULES, observed, register, ruled_names
 from ._rules import bind as _bind, bool_aval as _bool_aval, both as _both, int32_aval as _int32_aval
 
 
@@ -483,7 +483,7 @@ def _expanded(walker, eqn, prim, params, invals, scope, expanded):
     def plain(*args):
         return _bind(eqn, prim, list(args), params)
 
-    return _seam.observed(tapped, plain, list(invals))
+    return observed(tapped, plain, list(invals))
 
 
 @register(_seam.hi_call_p)

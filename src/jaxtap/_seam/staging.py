@@ -5,12 +5,10 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.custom_derivatives import SymbolicZero
 
 from .eqns import ClosedJaxpr, Tracer, closed_call_p, hi_call_p, impl_of, loop_scope
-from .stack import differentiated, differentiating, quiet
+from .stack import quiet
 from .versions import internal
 
 __all__ = [
@@ -26,7 +24,6 @@ __all__ = [
     "index_in_dim",
     "update_index_in_dim",
     "call_closed",
-    "observed",
     "any_lane",
     "select_lanes",
     "optimization_barrier",
@@ -112,68 +109,6 @@ def call_closed(closed, args):
     # it), parameterized like every call by ``call_jaxpr``
     key = "call_jaxpr" if eval_jaxpr_p is closed_call_p else "jaxpr"
     return list(eval_jaxpr_p.bind(*args, **{key: closed}))
-
-
-def _zero_tangent(x):
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.zeros_like(x)
-    return np.zeros(np.shape(x), jax.dtypes.float0)
-
-
-def observed(tapped_fn, plain_fn, args):
-    """Evaluate ``tapped_fn(*args)``; differentiate ``plain_fn`` instead.
-
-    Both compute the same values; ``tapped_fn`` also emits. Under any
-    differentiation the derivatives (and the primal outputs) are exactly
-    those of ``plain_fn``, the user's untapped code, while ``tapped_fn``
-    runs on gradient-stopped inputs for its events alone.
-
-    Where an autodiff trace is active now (``jax.grad(f)`` eagerly, or
-    traced inside a jit), ``plain_fn`` is bound as it is, so JAX
-    differentiates it by the very rules it would use untapped (JAX >= 0.11
-    linearizes a scan directly, which a JVP rule followed by partial
-    evaluation does not reproduce bit for bit). Otherwise a ``custom_jvp``
-    defers the choice to whatever transformation comes later.
-    """
-    def tapped(*a):
-        # JAX may trace this later, outside the interception; loops inside
-        # it are observed, never differentiated, whatever the trace chain says
-        with quiet(), differentiated(False):
-            return list(tapped_fn(*a))
-
-    # The events-only run is one opaque equation to autodiff: partial
-    # evaluation (e.g. of jax.checkpoint) never looks inside it to recompute
-    # parts, which a while loop holding callbacks could not support.
-    events = jax.custom_jvp(tapped)
-
-    def events_rule(primals, tangents):
-        out = events(*primals)
-        return out, [_zero_tangent(o) for o in out]
-
-    events.defjvp(events_rule)
-
-    if differentiating():
-        events(*[jax.lax.stop_gradient(x) for x in args])
-        return list(plain_fn(*args))
-
-    f = jax.custom_jvp(tapped)
-
-    def rule(primals, tangents):
-        events(*[jax.lax.stop_gradient(p) for p in primals])
-        # inputs without a tangent stay constants of the derivative, as they
-        # are untapped (a rule may insist on symbolic zeros: lineax's solve)
-        moving = [i for i, t in enumerate(tangents) if not isinstance(t, SymbolicZero)]
-
-        def along(*moved):
-            a = list(primals)
-            for i, x in zip(moving, moved):
-                a[i] = x
-            return list(plain_fn(*a))
-
-        return jax.jvp(along, [primals[i] for i in moving], [tangents[i] for i in moving])
-
-    f.defjvp(rule, symbolic_zeros=True)
-    return f(*args)
 
 
 def any_lane(pred):

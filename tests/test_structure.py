@@ -75,9 +75,10 @@ def test_the_options_are_listed_once_and_the_public_signatures_match():
     import jaxtap as tap
     from jaxtap._options import Config
 
-    fields = [(f.name, f.default) for f in dataclasses.fields(Config)]
+    fields = [(f.name, f.default, f.type) for f in dataclasses.fields(Config)]
     for fn, extra in ((tap.verbose, {"f"}), (tap.record, {"fn", "maxlen"})):
-        params = [(p.name, p.default) for p in inspect.signature(fn).parameters.values() if p.name not in extra]
+        params = [(p.name, p.default, p.annotation) for p in inspect.signature(fn).parameters.values()
+                  if p.name not in extra]
         assert params == fields, fn.__name__
 
 

@@ -171,7 +171,7 @@ class Config:
     sample_every: int = 1
     where: Optional[Callable] = None
     max_depth: Optional[int] = None
-    taps: Sequence["PrimTap"] = ()
+    taps: Sequence[PrimTap] = ()
     select_ys: Optional[Callable] = None
     on_ys: Optional[Callable] = None
     alert_ys: Optional[Callable] = None

@@ -3,15 +3,15 @@ interception and routing they share with ``tap.verbose`` are in ``_lens``)."""
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 from . import _seam
 from ._collectors import FlightRecorder
 from ._host import warn_once_now
 from ._lens import _REGISTRY, SiteIndex
 from ._toolkit import warn_unmatched
-from ._options import Config
-from ._verbose import configure, make_tapped
+from ._options import Config, PrimTap
+from ._verbose import Tapped, configure, make_tapped
 
 class TapContext:
     """The with-form: ``with tap.record(**cfg) as rec:``.
@@ -77,9 +77,14 @@ class TapContext:
         return f"<tap.record context ({state}), {len(self.recorder)} events>"
 
 
-def record(fn=None, /, *, on_step=None, select=None, alert=None, alert_once=False, ops=("scan", "while_loop"),
-           sample_every=1, where=None, max_depth=None, taps=(), select_ys=None, on_ys=None, alert_ys=None,
-           alert_ys_once=False, flush_every=None, maxlen=None):
+def record(fn: Optional[Callable] = None, /, *, on_step: Optional[Callable] = None,
+           select: Optional[Callable] = None, alert: Optional[Callable] = None, alert_once: bool = False,
+           ops: Union[str, Sequence[str]] = ("scan", "while_loop"), sample_every: int = 1,
+           where: Optional[Callable] = None, max_depth: Optional[int] = None, taps: Sequence[PrimTap] = (),
+           select_ys: Optional[Callable] = None, on_ys: Optional[Callable] = None,
+           alert_ys: Optional[Callable] = None, alert_ys_once: bool = False,
+           flush_every: Optional[int] = None,
+           maxlen: Optional[int] = None) -> Union[TapContext, Tuple[Tapped, FlightRecorder]]:
     """Record loop telemetry: as a with-block around unmodified code, or by
     wrapping a function.
 

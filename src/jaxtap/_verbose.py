@@ -10,12 +10,12 @@ forms give the same addresses and events by construction.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 from . import _seam
 from ._host import Consumers, warn_once_now
 from ._lens import CallScope, SiteIndex, Token
-from ._options import Config, build_plan
+from ._options import Config, PrimTap, build_plan
 from ._toolkit import prim_consumers, warn_unmatched
 
 
@@ -96,9 +96,10 @@ def make_tapped(f, config: Config, recorder=None) -> Tapped:
 
 
 def verbose(f: Callable, *, on_step: Optional[Callable] = None, select: Optional[Callable] = None,
-            alert: Optional[Callable] = None, alert_once: bool = False, ops=("scan", "while_loop"),
-            sample_every: int = 1, where: Optional[Callable] = None, max_depth: Optional[int] = None,
-            taps=(), select_ys: Optional[Callable] = None, on_ys: Optional[Callable] = None,
+            alert: Optional[Callable] = None, alert_once: bool = False,
+            ops: Union[str, Sequence[str]] = ("scan", "while_loop"), sample_every: int = 1,
+            where: Optional[Callable] = None, max_depth: Optional[int] = None, taps: Sequence[PrimTap] = (),
+            select_ys: Optional[Callable] = None, on_ys: Optional[Callable] = None,
             alert_ys: Optional[Callable] = None, alert_ys_once: bool = False,
             flush_every: Optional[int] = None) -> Callable:
     """Observe every ``scan`` / ``while_loop`` step of ``f``, live.

@@ -547,3 +547,16 @@ def test_verbose_called_eagerly_computes_what_f_computes_eagerly():
     assert [e.step for e in seen] == [0, 1, 2]
     # under a transformation the program is traced as usual (and still agrees)
     assert np.asarray(jax.jit(tap.verbose(f))(x, y)).tobytes() == np.asarray(jax.jit(f)(x, y)).tobytes()
+
+
+def test_a_generator_function_is_tapped_as_it_is_iterated():
+    def gen(x, n):
+        for _ in range(n):
+            x = jax.lax.scan(lambda c, _: (c * 1.5, None), x, None, length=2)[0]
+            yield x
+
+    seen = []
+    got = list(tap.verbose(gen, on_step=seen.append, select=lambda leaves: ())(jnp.float32(1.0), 3))
+    assert_bits(got, list(gen(jnp.float32(1.0), 3)))
+    sync()
+    assert [(e.path, e.step) for e in seen] == [("scan[0]", 0), ("scan[0]", 1)] * 3

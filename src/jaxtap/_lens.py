@@ -403,16 +403,20 @@ def _tap_primitive(prim, ctx, args, params):
 def _intercept(prim, handler, ctx, args, params):
     walker = ctx._token.walker
     site = _seam.current_site()
-    if not _seam.in_custom_body_trace(ctx.barrier):  # (a body JAX may discard is numbered when it runs)
+    # a custom_jvp/custom_vjp body JAX may trace and discard: its loops take
+    # no number until their events arrive (_Router); others, program order
+    provisional = _seam.in_custom_body_trace(ctx.barrier)
+    if not provisional:
         kind = "scan" if prim is _seam.scan_p else "while"
-        ctx._sites.index(kind, _seam.loop_site(prim, params, site))  # program order
+        ctx._sites.index(kind, _seam.loop_site(prim, params, site))
     with _seam.quiet():
         try:
             ctx._names_seen.update(tappable_names(_seam.loop_body(prim, params).jaxpr))
             if _seam.evaluating_eagerly():
                 return _eager_tapped(walker, prim, handler, params, site)(*args)
             with _seam.loop_scope():
-                return handler(walker, None, params, list(args), walker.top_scope(), site)
+                scope = walker.top_scope(SiteIndex() if provisional else None)
+                return handler(walker, None, params, list(args), scope, site)
         except TapSelectError:
             raise
         except Exception as exc:  # noqa: BLE001 - our failure must not be the user's

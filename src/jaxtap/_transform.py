@@ -134,8 +134,10 @@ class Walker:
         self.buffers = plan.flush_every is not None
 
     # -------------------------------------------------------------- decisions
-    def top_scope(self):
-        return Scope("", self.sites, False, None, 1)
+    def top_scope(self, sites=None):
+        """The walk's outermost scope; ``sites``: number top-level loops there
+        instead of in the walker's own index."""
+        return Scope("", self.sites if sites is None else sites, False, None, 1)
 
     def loop_wants(self, kind, path):
         """(carry?, ys?) this loop emits; (False, False) when it is silent."""

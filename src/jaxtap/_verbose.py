@@ -10,11 +10,12 @@ forms give the same addresses and events by construction.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable, Optional, Sequence, Union
 
 from . import _seam
 from ._host import Consumers, warn_once_now
-from ._lens import CallScope, SiteIndex, Token
+from ._lens import CallScope, Token
 from ._options import Config, PrimTap, build_plan
 from ._toolkit import prim_consumers, warn_unmatched
 
@@ -37,7 +38,9 @@ class Tapped:
         self._consumers = consumers
         self._prims = prims
         self._observes = plan.active
-        self._sites = SiteIndex()  # this wrapper's top-level addresses (see _lens._Router)
+        # this wrapper's top-level addresses: the walker's own, so a device-side
+        # `where` and the delivered path always agree (see _lens._Router)
+        self._sites = self._token.walker.sites
         self._names_seen: set = set()
         self._warned_names = False
 
@@ -60,11 +63,24 @@ class Tapped:
             p.new_run()
         with CallScope(self._token, self._sites, self._names_seen, _seam.barrier_here()):
             out = f(*args, **kwargs)
+        if inspect.isgenerator(out):
+            return self._iterate(out)  # its loops run as it is iterated
         plan = self._plan
         if plan.prim_taps and self._names_seen and not self._warned_names:
             self._warned_names = True
             warn_unmatched(plan.prim_taps, self._names_seen)
         return out
+
+    def _iterate(self, gen):
+        """A generator ``f`` returned: each of its steps runs inside a scope."""
+        value = None
+        while True:
+            with CallScope(self._token, self._sites, self._names_seen, _seam.barrier_here()):
+                try:
+                    item = gen.send(value)
+                except StopIteration as stop:
+                    return stop.value
+            value = yield item
 
     def __repr__(self):
         return f"<jax-tap verbose of {getattr(self.__wrapped__, '__qualname__', self.__wrapped__)!r}>"

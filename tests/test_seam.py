@@ -320,3 +320,26 @@ def test_the_wrapping_form_runs_untapped_when_the_rewrite_fails(monkeypatch):
         out = tap.verbose(f, on_step=seen.append)(jnp.float32(1.0))
     assert float(out) == 3.375 and seen == []
     assert any("untapped" in str(x.message) and "num_consts" in str(x.message) for x in w)
+
+
+def test_both_forms_run_untapped_on_a_jax_without_the_jit_key_state(monkeypatch):
+    """A JAX lacking the config state interception keys jits with: blocks and
+    wrapped calls run the user's code as it is, with one warning."""
+    import warnings
+
+    from jaxtap import _lens
+
+    monkeypatch.setattr(_lens._seam, "can_intercept", lambda: False)
+    monkeypatch.setattr(_lens, "warn_once_now", lambda msg: said.append(msg))
+    said = []
+    f = lambda x: jax.lax.scan(lambda c, _: (c * 1.5, None), x, None, length=3)[0]  # noqa: E731
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing else may warn
+        out_v = tap.verbose(f, on_step=seen.append)(jnp.float32(1.0))
+        with tap.record() as rec:
+            out_w = f(jnp.float32(1.0))
+    jax.effects_barrier()
+    assert float(out_v) == float(out_w) == 3.375 and seen == [] and len(rec) == 0
+    assert len(said) == 2 and all("lacks the jit-key state" in m and "untapped" in m for m in said)
+    assert "f runs untapped" in said[0] and "the block runs untapped" in said[1]

@@ -40,6 +40,16 @@ _LOOPS = _seam.LOOP_PRIMITIVES  # intercepted whenever a block is active
 _seam.check_at_import()  # one warning at import on a JAX outside the tested range
 
 
+def interception_unavailable(what) -> bool:
+    """True, after one warning, on a JAX without the jit-key state both forms
+    need: ``what`` then runs untapped."""
+    if _seam.can_intercept():
+        return False
+    warn_once_now(f"jax-tap: this JAX ({_seam.JAX_VERSION_TEXT}) lacks the jit-key state jax-tap needs; "
+                  f"{what} runs untapped. Install a tested JAX ({_seam.TESTED_RANGE}).")
+    return True
+
+
 def rebuild_guard(plan):
     return Guard(plan.select or (lambda leaves: leaves), "select (its result could not be rebuilt on the host)")
 
@@ -366,7 +376,11 @@ def _make_bind(prim):
 
 def _note_names(ctx, params):
     """A jit bound in a scope with primitive taps: what a tap name could
-    match in it (for the "matched nothing" warning)."""
+    match in it (for the "matched nothing" warning). Once every name has
+    matched, the warning cannot fire: eager jnp calls skip the walk."""
+    seen = ctx._names_seen
+    if all(t.prim is None or t.prim in seen for t in ctx._plan.prim_taps):
+        return
     try:
         ctx._names_seen.update(tappable_names(_seam.jit_body(params).jaxpr))
     except Exception:  # noqa: BLE001 - a hint only

@@ -7,8 +7,7 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 
 from . import _seam
 from ._collectors import FlightRecorder
-from ._host import warn_once_now
-from ._lens import _REGISTRY, SiteIndex
+from ._lens import _REGISTRY, SiteIndex, interception_unavailable
 from ._toolkit import warn_unmatched
 from ._options import Config, PrimTap
 from ._verbose import Tapped, configure, make_tapped
@@ -43,9 +42,7 @@ class TapContext:
                 "jax-tap: this tap.record() context is already active; create a new one "
                 "(tap.record(...)) for a nested or concurrent block."
             )
-        if not _seam.can_intercept():
-            warn_once_now(f"jax-tap: this JAX ({_seam.JAX_VERSION_TEXT}) lacks the jit-key state the with-form "
-                          f"needs; the block runs untapped. Install a tested JAX ({_seam.TESTED_RANGE}).")
+        if interception_unavailable("the block"):
             return self.recorder
         self._thread = threading.get_ident()
         self._token = _REGISTRY.token_for(self._plan, self._thread)

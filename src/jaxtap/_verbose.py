@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence, Union
 
 from . import _seam
 from ._host import Consumers, warn_once_now
-from ._lens import CallScope, Token
+from ._lens import CallScope, Token, interception_unavailable
 from ._options import Config, PrimTap, build_plan
 from ._toolkit import prim_consumers, warn_unmatched
 
@@ -54,9 +54,7 @@ class Tapped:
         if _seam.jit_disabled():
             _warn_disabled()
             return f(*args, **kwargs)  # op by op, as f would run: nothing to tap
-        if not _seam.can_intercept():
-            warn_once_now(f"jax-tap: this JAX ({_seam.JAX_VERSION_TEXT}) lacks the jit-key state jax-tap needs; "
-                          f"f runs untapped. Install a tested JAX ({_seam.TESTED_RANGE}).")
+        if interception_unavailable("f"):
             return f(*args, **kwargs)
         self._consumers.new_run()
         for p in self._prims:

@@ -435,8 +435,8 @@ TOKEN_STATE = _token_state()
 
 
 def can_intercept() -> bool:
-    """False on a JAX without the jit-key state the with-form needs: blocks
-    then run their code untapped (see ``_record``)."""
+    """False on a JAX without the jit-key state interception needs: blocks
+    and wrapped calls then run their code untapped (see ``_lens``)."""
     return TOKEN_STATE is not None
 
 

@@ -29,6 +29,8 @@ def test_every_readme_python_block_runs(capfd):
     assert "[tap] FAIL scan[0]/jit[0]/cholesky[0] 7/10: NaN/Inf" in err
     assert "[tap] FAIL scan[0] 7/10: carry=6.22 exceeded 5.0" in err
     assert "[tap] FAIL scan[0]/jit[0]/cholesky[0] 6/10: L[1,1] < 1" in err
+    assert re.search(r"\[tap\] FAIL jit\(scale\)@README block \d+:1 compiled 3 times: x: f32\[\] weak \(was f32\[8\]\)",
+                     err)
 
 
 def test_every_readme_command_line_runs():

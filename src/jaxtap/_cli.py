@@ -10,6 +10,7 @@ the summary) on stderr and the JSONL file.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import runpy
@@ -47,6 +48,9 @@ examples:
   python -m jaxtap --summary --jsonl run.jsonl --sample-every 10 sim.py
       stream every 10th step to run.jsonl (read it with tap.read_jsonl),
       then print events per address, alerts and the compile/execute split
+  python -m jaxtap --jit-events --max-compiles 2 --timeline run.trace.json train.py
+      report every compilation (and why a function recompiled), FAIL when one
+      compiles a third time, and write a timeline for Perfetto UI
 
 notes:
   --watch-nan takes PRIM only when the next word looks like a primitive name
@@ -58,7 +62,7 @@ notes:
   Exit status: the script's own; 1 if it raised; 2 for bad options."""
 
 # options that always take a value / that may take one (see _split_argv)
-_VALUE_OPTS = {"--print", "--sample-every", "--max-depth", "--jsonl", "--flush-every"}
+_VALUE_OPTS = {"--print", "--sample-every", "--max-depth", "--jsonl", "--flush-every", "--max-compiles", "--timeline"}
 _OPTIONAL_VALUE_OPTS = {"--watch-nan"}
 _PRIM_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -111,6 +115,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-values", action="store_true",
                    help="with --jsonl, record only path/step/total of loop events instead of every "
                         "carry leaf (much less data for big carries)")
+    p.add_argument("--jit-events", action="store_true",
+                   help="record one event per compilation of a jitted function (tracing / lowering / "
+                        "compiling seconds, and why it recompiled); the summary lists them")
+    p.add_argument("--max-compiles", metavar="N", type=_positive_int, default=None,
+                   help="print a [tap] FAIL line the moment a jitted function compiles more than N times, "
+                        "with the reason (implies --jit-events)")
+    p.add_argument("--trace-events", action="store_true",
+                   help="record one event per loop each time JAX traces it (carry types, weak-type "
+                        "promotion, body size); adds nothing to the compiled program")
+    p.add_argument("--timeline", metavar="FILE",
+                   help="write the run as a Chrome trace-event JSON file (open it in Perfetto UI or "
+                        "chrome://tracing): compile spans, loop progress, events (implies --jit-events)")
     p.add_argument("--summary", action="store_true",
                    help="at the end, print to stderr: events per address (count, kind, last step), "
                         "alerts fired, and the time to the first event (start-up, tracing, compilation) "
@@ -174,6 +190,8 @@ class _Sink(FlightRecorder):
         self.writer = writer
         self.first = None  # perf_counter() of the first event
         self.stats = {}  # (path, kind) -> [count, last step, total], first-seen order
+        self.compiles = {}  # jitted function -> [compilations, seconds, last reason]
+        self.timeline = None  # [(event without carry values, arrival time)] with --timeline
         self._stats_lock = threading.Lock()
 
     def append(self, event) -> None:
@@ -187,6 +205,11 @@ class _Sink(FlightRecorder):
                     s = self.stats[(event.path, event.kind)] = [0, event.step, event.total]
                 s[0] += 1
                 s[1], s[2] = event.step, event.total
+                if event.kind == "compile":
+                    _count_compile(self.compiles, event)
+                if self.timeline is not None:
+                    light = event if event.kind in ("compile", "trace") else dataclasses.replace(event, value=None)
+                    self.timeline.append((light, time.time()))
             if self.writer is not None:
                 self.writer(event)  # JSONLWriter guards itself
         except Exception:  # noqa: BLE001 - telemetry must never disturb the script
@@ -310,6 +333,14 @@ class _StderrTap:
         return getattr(self._stream, name)
 
 
+def _count_compile(compiles, event):
+    v = event.value
+    c = compiles.setdefault(event.path, [0, 0.0, ""])
+    c[0] += 1
+    c[1] += sum(v.get(k) or 0.0 for k in ("trace_s", "lower_s", "compile_s"))
+    c[2] = v.get("reason", "")
+
+
 def _no_loops(path):  # `where` when no option needs loop carries
     return False
 
@@ -335,7 +366,16 @@ def _format_summary(script, sink, fails, t0, t_end, outcome) -> str:
                      "(work on other threads is not tapped)")
     lines.append(f"  alerts fired ([tap] FAIL lines): {fails}")
     total = t_end - t0
-    if sink.first is not None:
+    if sink.compiles:
+        jit_s = sum(c[1] for c in sink.compiles.values())
+        n = sum(c[0] for c in sink.compiles.values())
+        lines.append(f"  compilations: {n} of {len(sink.compiles)} jitted functions")
+        for path, (count, secs, reason) in sorted(sink.compiles.items(), key=lambda kv: -kv[1][1])[:10]:
+            why = f"  last: {reason}" if count > 1 else ""
+            lines.append(f"    {path}  x{count}  {secs:.3f} s{why}")
+        lines.append(f"  tracing+lowering+compiling: {jit_s:9.3f} s  (from the compile events)")
+        lines.append(f"  everything else:            {total - jit_s:9.3f} s  (execution, Python, start-up)")
+    elif sink.first is not None:
         lines.append(f"  time to first event: {sink.first - t0:9.3f} s  (start-up, tracing, compilation)")
         lines.append(f"  first event to end:  {t_end - sink.first:9.3f} s  (execution)")
     lines.append(f"  total:               {total:9.3f} s")
@@ -367,7 +407,7 @@ def main(argv=None) -> int:
     parser, ns = parse_args(argv)
     # validate everything before running anything (exit 2)
     _check_script(parser, ns.script)
-    if not (ns.progress or ns.watch_nan or ns.print or ns.jsonl or ns.summary):
+    if not (ns.progress or ns.watch_nan or ns.print or ns.jsonl or ns.summary or ns.timeline):
         ns.summary = True
     tqdm_cls = None
     if ns.progress:
@@ -385,7 +425,19 @@ def main(argv=None) -> int:
         code = 130 if isinstance(error, KeyboardInterrupt) else 1
     if ns.summary:
         _report(ns.script, sink, err_tap, real_stderr, t0, t_end, error, code)
+    if ns.timeline:
+        _write_timeline(ns.timeline, sink, block, real_stderr)
     return code
+
+
+def _write_timeline(path, sink, block, stream) -> None:
+    from ._timeline import write_timeline
+    rows = sink.timeline or []
+    spans = block._times.spans if block._times is not None else []
+    try:
+        write_timeline(path, [e for e, _ in rows], [t for _, t in rows], spans)
+    except Exception as exc:  # noqa: BLE001 - the script already ran; say why there is no file
+        _say(f"[jax-tap] --timeline: could not write {path!r}: {exc}", stream)
 
 
 def _check_script(parser, script) -> None:
@@ -410,12 +462,14 @@ def _make_block(parser, ns, progress):
         taps += [tap.print(prim) for prim in (ns.print or [])]
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
-    wants_carry = ns.progress or ns.summary or bool(ns.jsonl)
+    wants_carry = ns.progress or ns.summary or bool(ns.jsonl) or bool(ns.timeline)
     max_depth = ns.max_depth
     if ns.progress and not (ns.summary or ns.jsonl) and max_depth is None:
         max_depth = 0  # bars need the outermost loops only
     cfg = dict(taps=taps, sample_every=ns.sample_every, max_depth=max_depth, flush_every=ns.flush_every,
-               select=None if (ns.jsonl and not ns.no_values) else _steps_only)
+               select=None if (ns.jsonl and not ns.no_values) else _steps_only,
+               jit_events=ns.jit_events or bool(ns.timeline), trace_events=ns.trace_events,
+               max_compiles=ns.max_compiles, timeline=bool(ns.timeline))
     if not wants_carry:
         cfg["where"] = _no_loops
     if progress is not None:
@@ -428,6 +482,12 @@ def _make_block(parser, ns, progress):
             parser.error(f"--jsonl: can't write {ns.jsonl!r}: {exc.strerror or exc}")
         writer = tap.JSONLWriter(ns.jsonl)
     sink = _Sink(writer)
+    if ns.timeline:
+        try:
+            open(ns.timeline, "w", encoding="utf-8").close()  # fail here, not after the run
+        except OSError as exc:
+            parser.error(f"--timeline: can't write {ns.timeline!r}: {exc.strerror or exc}")
+        sink.timeline = []
     try:
         return tap.TapContext(recorder=sink, **cfg), sink, writer
     except (TypeError, ValueError) as exc:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import time
 from typing import Iterator, List, Optional
 
 import numpy as np
@@ -32,6 +33,8 @@ class FlightRecorder:
         if maxlen is not None and (not isinstance(maxlen, int) or isinstance(maxlen, bool) or maxlen < 1):
             raise ValueError(f"jax-tap: FlightRecorder(maxlen=...) must be a positive int or None, got {maxlen!r}")
         self._events = _store((), maxlen)
+        self._times = None  # arrival times (time.time()), parallel to _events, once keep_times()
+        self._spans = None  # the scope's jit-event taps (their compile spans), for timeline()
         # Appends, copies and clears of a list/deque are single C calls under
         # the GIL, so they need no lock.
 
@@ -44,21 +47,57 @@ class FlightRecorder:
     @events.setter
     def events(self, events) -> None:
         self._events = _store(events, getattr(self._events, "maxlen", None))
+        if self._times is not None:
+            self._times = _store([None] * len(self._events), getattr(self._events, "maxlen", None))
+
+    def keep_times(self) -> None:
+        """Also keep each event's arrival time (for :meth:`timeline`)."""
+        if self._times is None:
+            self._times = _store([None] * len(self._events), getattr(self._events, "maxlen", None))
 
     def append(self, event: TapEvent) -> None:
         """Record one event."""
+        if self._times is not None:
+            self._times.append(time.time())
         self._events.append(event)
 
     def _appender(self):
         """The cheapest callable that records one event (the host's hot path)."""
-        return self._events.append if type(self).append is FlightRecorder.append else self.append
+        if type(self).append is not FlightRecorder.append:
+            return self.append
+        if self._times is None:
+            return self._events.append
+        events, times, clock = self._events, self._times, time.time
+
+        def append(event):
+            times.append(clock())
+            events.append(event)
+
+        return append
 
     def __call__(self, event: TapEvent) -> None:
-        self._events.append(event)
+        self.append(event)
 
     def clear(self) -> None:
         """Forget every recorded event."""
         self._events.clear()
+        if self._times is not None:
+            self._times.clear()
+
+    def timeline(self, path) -> None:
+        """Write the recorded run as a Chrome trace-event JSON file (opens in
+        Perfetto UI and ``chrome://tracing``): tracing / lowering / compiling
+        spans per jitted function (with ``jit_events=True``), each loop's
+        progress as a counter track, events as instants, alerts as markers.
+
+        Runtime events are placed by their arrival time, which the recorder
+        keeps when the block has ``timeline=True`` (or ``jit_events`` /
+        ``trace_events``); without it they are left out.
+        """
+        from ._timeline import write_timeline
+        spans = list(self._spans.spans) if self._spans is not None else []
+        times = list(self._times) if self._times is not None else [None] * len(self._events)
+        write_timeline(path, list(self._events), times, spans)
 
     def __len__(self) -> int:
         return len(self._events)

@@ -6,6 +6,7 @@ from operator import itemgetter
 from typing import Any, Optional
 
 _FIELDS = ("path", "step", "value", "total", "kind", "lane")
+KINDS = ("carry", "output", "primitive", "compile", "trace")  # compile/trace: jit-event and trace-time taps
 _tuple_new = tuple.__new__
 
 
@@ -45,7 +46,10 @@ class TapEvent(tuple):
         Length of the enclosing scan; ``None`` for ``while`` loops; ``1``
         outside any loop.
     kind : str
-        ``"carry"``, ``"output"`` (scan ``ys``) or ``"primitive"``.
+        ``"carry"``, ``"output"`` (scan ``ys``) or ``"primitive"``; with
+        ``jit_events`` / ``trace_events``, ``"compile"`` (``step``: the
+        function's compilations before this one) and ``"trace"`` (``step``:
+        the loop's earlier tracings), whose ``value`` is a dict.
     lane : int or None
         Under ``jax.vmap``, the lane (batch index) this event belongs to;
         ``None`` when the shipped values were not batched.
@@ -67,7 +71,7 @@ class TapEvent(tuple):
     step = property(itemgetter(1), doc="Iteration of the innermost enclosing loop.")
     value = property(itemgetter(2), doc="What ``select`` returned, as host copies.")
     total = property(itemgetter(3), doc="Scan length; None for while loops and outside any loop.")
-    kind = property(itemgetter(4), doc='"carry", "output" or "primitive".')
+    kind = property(itemgetter(4), doc='"carry", "output", "primitive", "compile" or "trace".')
     lane = property(itemgetter(5), doc="vmap lane, or None.")
 
     def __new__(cls, path: str, step: int, value: Any, total: Optional[int] = None,

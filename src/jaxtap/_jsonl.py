@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, List
 import numpy as np
 
 from ._collectors import _flatten_value
-from ._event import TapEvent
+from ._event import KINDS, TapEvent
 from ._host import TapWarning, warn_once_now
 
 _ERRORS = ("raise", "skip")
@@ -291,8 +291,8 @@ def _event(rec) -> TapEvent:
         raise _Bad(f"'step' must be an int, got {step!r}")
     if total is not None and (not isinstance(total, int) or isinstance(total, bool)):
         raise _Bad(f"'total' must be an int or null, got {total!r}")
-    if kind not in ("carry", "output", "primitive"):
-        raise _Bad(f"'kind' must be 'carry', 'output' or 'primitive', got {kind!r}")
+    if kind not in KINDS:
+        raise _Bad(f"'kind' must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
     lane = rec.get("lane")
     if lane is not None and (not isinstance(lane, int) or isinstance(lane, bool)):
         raise _Bad(f"'lane' must be an int or null, got {lane!r}")

@@ -81,16 +81,17 @@ class CallScope:
     intercepted as a block's are, on this thread only, from the call's own
     Python frame and trace inward (``barrier``)."""
 
-    __slots__ = ("_token", "_plan", "_sites", "_names_seen", "_thread", "barrier", "__weakref__")
+    __slots__ = ("_token", "_plan", "_sites", "_names_seen", "_thread", "barrier", "_times", "__weakref__")
     shared = False  # never lent to other threads (see _Registry.sole)
 
-    def __init__(self, token, sites, names_seen, barrier):
+    def __init__(self, token, sites, names_seen, barrier, times=None):
         self._token = token
         self._plan = token.walker.plan
         self._sites = sites  # the wrapper's addresses, stable across its calls
         self._names_seen = names_seen
         self._thread = threading.get_ident()
         self.barrier = barrier
+        self._times = times  # the wrapper's jit-event and trace-time taps (or None)
 
     def __enter__(self):
         _REGISTRY.push(self)
@@ -329,6 +330,45 @@ def _sync_patches():
         if prim not in _PATCHED:
             _seam.install_bind(prim, _make_bind(prim))
             _PATCHED.add(prim)
+    times = [t for t in (getattr(c, "_times", None) for c in _REGISTRY.active()) if t is not None]
+    if any(t.jit_events for t in times):
+        _seam.monitor.watch_jit(_on_jit_call, _on_span, _on_cache_event)
+    else:
+        _seam.monitor.watch_jit(None, None, None)
+    _seam.monitor.watch_promotions(_on_promotion if any(t.trace_events for t in times) else None)
+
+
+# ------------------------------------------------- compile-time signals
+def _times_here(jit=False):
+    """The time taps of the scope this thread's work belongs to (or None)."""
+    ctx = _REGISTRY.top(threading.get_ident()) or _REGISTRY.sole()
+    times = None if ctx is None else getattr(ctx, "_times", None)
+    if times is None or not (times.jit_events if jit else times.trace_events):
+        return None
+    return times
+
+
+def _on_jit_call(fun, ji, args, kwargs):
+    times = _times_here(jit=True)
+    return None if times is None else times.on_call(fun, ji, args, kwargs)
+
+
+def _on_span(event, start, end, fun_name):
+    times = _times_here(jit=True)
+    if times is not None:
+        times.on_span(event, start, end, fun_name)
+
+
+def _on_cache_event(event):
+    times = _times_here(jit=True)
+    if times is not None:
+        times.on_event(event)
+
+
+def _on_promotion():
+    times = _times_here()
+    if times is not None:
+        times.on_promotion()
 
 
 _PATCHED: set = set()
@@ -338,6 +378,8 @@ def _uninstall_all():
     for prim in list(_PATCHED) + list(_LOOPS):
         _seam.uninstall_bind(prim)
     _PATCHED.clear()
+    _seam.monitor.watch_jit(None, None, None)
+    _seam.monitor.watch_promotions(None)
 
 
 def _make_bind(prim):
@@ -422,7 +464,16 @@ def _intercept(prim, handler, ctx, args, params):
     provisional = _seam.in_custom_body_trace(ctx.barrier)
     if not provisional:
         kind = "scan" if prim is _seam.scan_p else "while"
-        ctx._sites.index(kind, _seam.loop_site(prim, params, site))
+        index = ctx._sites.index(kind, _seam.loop_site(prim, params, site))
+        times = getattr(ctx, "_times", None)
+        if times is not None and times.trace_events:
+            with _seam.quiet():
+                try:
+                    times.on_loop(f"{kind}[{index}]", prim, params, site)
+                except Exception as exc:  # noqa: BLE001 - telemetry never breaks the program
+                    warn_once_now(f"jax-tap: a trace event failed ({type(exc).__name__}: {exc}).")
+    if not ctx._plan.kinds and not ctx._plan.prim_taps:
+        return _seam.bind_original(prim, args, params)  # time taps only: the loop as it is
     with _seam.quiet():
         try:
             ctx._names_seen.update(tappable_names(_seam.loop_body(prim, params).jaxpr))

@@ -67,6 +67,11 @@ def check_flush_every(k) -> Optional[int]:
                       hint="flush_every=100 buffers 100 sampled steps on device per host hop.")
 
 
+def check_max_compiles(n) -> Optional[int]:
+    return _check_int("max_compiles", n, minimum=1, optional=True, requirement="None or a positive int",
+                      hint="max_compiles=2 prints a FAIL line when a jitted function compiles a third time.")
+
+
 def check_max_depth(d) -> Optional[int]:
     return _check_int("max_depth", d, minimum=0, optional=True, requirement="None or an int >= 0",
                       hint="max_depth=0 observes only the outermost loops.")
@@ -177,6 +182,10 @@ class Config:
     alert_ys: Optional[Callable] = None
     alert_ys_once: bool = False
     flush_every: Optional[int] = None
+    jit_events: bool = False
+    trace_events: bool = False
+    max_compiles: Optional[int] = None
+    timeline: bool = False
 
     def __post_init__(self):
         for name in ("on_step", "select", "alert", "where", "select_ys", "on_ys", "alert_ys"):
@@ -184,6 +193,10 @@ class Config:
         check_sample_every(self.sample_every)
         check_max_depth(self.max_depth)
         check_flush_every(self.flush_every)
+        check_max_compiles(self.max_compiles)
+        for name in ("alert_once", "alert_ys_once", "jit_events", "trace_events", "timeline"):
+            if not isinstance(getattr(self, name), (bool, int)):
+                raise TypeError(f"jax-tap: `{name}` must be True or False, got {getattr(self, name)!r}")
         taps = tuple(self.taps or ())
         for t in taps:
             if not isinstance(t, PrimTap):

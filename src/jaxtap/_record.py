@@ -25,7 +25,7 @@ class TapContext:
     def __init__(self, recorder: Optional[FlightRecorder] = None, config: Optional[Config] = None, **cfg):
         self.recorder = recorder if recorder is not None else FlightRecorder()
         config = Config.from_keywords(cfg) if config is None else config
-        self._plan, self._consumers, self._prims = configure(config, self.recorder, with_form=True)
+        self._plan, self._consumers, self._prims, self._times = configure(config, self.recorder, with_form=True)
         self._token = None
         self._thread = None
         self._active = False
@@ -52,6 +52,8 @@ class TapContext:
         self._consumers.new_run()
         for p in self._prims:
             p.new_run()
+        if self._times is not None:
+            self._times.new_run()
         _REGISTRY.push(self)
         return self.recorder
 
@@ -80,7 +82,8 @@ def record(fn: Optional[Callable] = None, /, *, on_step: Optional[Callable] = No
            where: Optional[Callable] = None, max_depth: Optional[int] = None, taps: Sequence[PrimTap] = (),
            select_ys: Optional[Callable] = None, on_ys: Optional[Callable] = None,
            alert_ys: Optional[Callable] = None, alert_ys_once: bool = False,
-           flush_every: Optional[int] = None,
+           flush_every: Optional[int] = None, jit_events: bool = False, trace_events: bool = False,
+           max_compiles: Optional[int] = None, timeline: bool = False,
            maxlen: Optional[int] = None) -> Union[TapContext, Tuple[Tapped, FlightRecorder]]:
     """Record loop telemetry: as a with-block around unmodified code, or by
     wrapping a function.

@@ -17,13 +17,14 @@ from . import _seam
 from ._host import Consumers, warn_once_now
 from ._lens import CallScope, Token, interception_unavailable
 from ._options import Config, PrimTap, build_plan
+from ._timetaps import make_time_taps
 from ._toolkit import prim_consumers, warn_unmatched
 
 
 class Tapped:
     """A function observed by jax-tap; call it exactly like the original."""
 
-    def __init__(self, f: Callable, plan, consumers: Consumers, prims):
+    def __init__(self, f: Callable, plan, consumers: Consumers, prims, times=None):
         # the wrapped callable's own attributes show through, except where
         # they would shadow our methods (Equinox's filter_jit has a
         # `_signature`); our instance attributes are assigned after the copy
@@ -37,7 +38,8 @@ class Tapped:
         self._token = Token(None, plan, owner=self)
         self._consumers = consumers
         self._prims = prims
-        self._observes = plan.active
+        self._times = times
+        self._observes = plan.active or times is not None
         # this wrapper's top-level addresses: the walker's own, so a device-side
         # `where` and the delivered path always agree (see _lens._Router)
         self._sites = self._token.walker.sites
@@ -59,7 +61,9 @@ class Tapped:
         self._consumers.new_run()
         for p in self._prims:
             p.new_run()
-        with CallScope(self._token, self._sites, self._names_seen, _seam.barrier_here()):
+        if self._times is not None:
+            self._times.new_run()
+        with CallScope(self._token, self._sites, self._names_seen, _seam.barrier_here(), self._times):
             out = f(*args, **kwargs)
         if inspect.isgenerator(out):
             return self._iterate(out)  # its loops run as it is iterated
@@ -73,7 +77,7 @@ class Tapped:
         """A generator ``f`` returned: each of its steps runs inside a scope."""
         value = None
         while True:
-            with CallScope(self._token, self._sites, self._names_seen, _seam.barrier_here()):
+            with CallScope(self._token, self._sites, self._names_seen, _seam.barrier_here(), self._times):
                 try:
                     item = gen.send(value)
                 except StopIteration as stop:
@@ -94,13 +98,18 @@ def _warn_disabled():
 
 
 def configure(config: Config, recorder=None, with_form=False):
-    """(plan, consumers, primitive consumers) of a configuration."""
+    """(plan, consumers, primitive consumers, time taps) of a configuration."""
     c = config
+    if recorder is not None and (c.timeline or c.jit_events or c.trace_events or c.max_compiles is not None):
+        recorder.keep_times()  # before the consumers take its appender
     consumers = Consumers(c.on_step, c.alert, c.alert_once, recorder=recorder,
                           on_ys=c.on_ys, alert_ys=c.alert_ys, alert_ys_once=c.alert_ys_once)
     emit_ys = consumers.observes_ys or (c.select_ys is not None and recorder is not None)
     plan = build_plan(c, emit_carry=with_form or consumers.observes, emit_ys=emit_ys)
-    return plan, consumers, prim_consumers(plan.prim_taps, recorder, consumers.on_step)
+    times = make_time_taps(c, consumers.carry_sink)
+    if times is not None and recorder is not None:
+        recorder._spans = times
+    return plan, consumers, prim_consumers(plan.prim_taps, recorder, consumers.on_step), times
 
 
 def make_tapped(f, config: Config, recorder=None) -> Tapped:
@@ -115,7 +124,8 @@ def verbose(f: Callable, *, on_step: Optional[Callable] = None, select: Optional
             where: Optional[Callable] = None, max_depth: Optional[int] = None, taps: Sequence[PrimTap] = (),
             select_ys: Optional[Callable] = None, on_ys: Optional[Callable] = None,
             alert_ys: Optional[Callable] = None, alert_ys_once: bool = False,
-            flush_every: Optional[int] = None) -> Callable:
+            flush_every: Optional[int] = None, jit_events: bool = False, trace_events: bool = False,
+            max_compiles: Optional[int] = None, timeline: bool = False) -> Callable:
     """Observe every ``scan`` / ``while_loop`` step of ``f``, live.
 
     Returns a function with ``f``'s name and docstring whose outputs and
@@ -163,6 +173,23 @@ def verbose(f: Callable, *, on_step: Optional[Callable] = None, select: Optional
         outer step's buffer. Consumers still receive one TapEvent per step
         and tap, in step order; a loop that never ends still reports every
         ``flush_every`` samples.
+    jit_events : bool
+        Also deliver one ``TapEvent(kind="compile")`` per compilation of a
+        jitted function during the call, at ``jit(name)@file.py:LINE``: its
+        tracing / lowering / compiling seconds, persistent-cache outcome,
+        program size and, for a recompilation, the reason (README, "Jit
+        events and trace events").
+    trace_events : bool
+        Also deliver one ``TapEvent(kind="trace")`` per loop each time JAX
+        stages it, at the loop's address: carry types, weak-type promotion,
+        body size. Nothing is added to the compiled program.
+    max_compiles : int, optional
+        Print ``[tap] FAIL jit(f)@file.py:LINE compiled N times: <reason>``
+        the moment a jitted function passes this many compilations (implies
+        ``jit_events``).
+    timeline : bool
+        Keep each event's arrival time, for :meth:`FlightRecorder.timeline`
+        (implied by ``jit_events`` and ``trace_events``).
 
     Examples
     --------

@@ -10,9 +10,12 @@ each assumption and fails loudly, naming it, on a JAX that breaks one.
   internals;
 * :mod:`.eqns` - primitives, their names, the parameters read and written;
 * :mod:`.staging` - trace, bind and evaluate equations as JAX does;
-* :mod:`.stack` - interception, call-stack and trace heuristics, jit-key state.
+* :mod:`.stack` - interception, call-stack and trace heuristics, jit-key state;
+* :mod:`.monitor` - compile-time signals: top-level jit calls, JAX's
+  monitoring spans, weak-type promotions (jit-event and trace-time taps).
 """
 from .eqns import *  # noqa: F401,F403
 from .stack import *  # noqa: F401,F403
 from .staging import *  # noqa: F401,F403
 from .versions import JAX_VERSION, JAX_VERSION_TEXT, MISSING, TESTED_RANGE, check_at_import, tested  # noqa: F401
+from . import monitor  # noqa: F401,E402  (compile-time signals: jit calls, spans, promotions)

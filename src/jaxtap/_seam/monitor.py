@@ -1,0 +1,211 @@
+"""JAX's compile-time signals, as jax-tap's jit-event and trace-time taps
+read them: top-level jit calls (``pjit._infer_params``), JAX's monitoring
+spans and events (tracing / lowering / compiling, the persistent cache) and
+weak-type promotions of loop carries (``loops._promote_weak_typed_input``).
+
+Each hook is installed while some scope asks for it and removed one by one
+when none does: no JAX flag is touched, no other listener is cleared.
+"""
+from __future__ import annotations
+
+import os
+import re
+import threading
+
+from .versions import internal
+
+__all__ = [
+    "TRACE_SPAN",
+    "LOWER_SPAN",
+    "COMPILE_SPAN",
+    "CACHE_USED",
+    "CACHE_HIT",
+    "CACHE_MISS",
+    "watch_jit",
+    "watch_promotions",
+    "jit_function_site",
+    "is_user_file",
+    "trace_context",
+    "aval_text",
+    "count_eqns",
+    "has_host_callbacks",
+    "pjit_jaxpr",
+]
+
+_pjit = internal("jax._src.pjit")
+_monitoring = internal("jax._src.monitoring")
+_dispatch = internal("jax._src.dispatch")
+_loops = internal("jax._src.lax.control_flow.loops")
+_core = internal("jax._src.core")
+_config = internal("jax._src.config")
+_source_info = internal("jax._src.source_info_util")
+
+TRACE_SPAN = getattr(_dispatch, "JAXPR_TRACE_EVENT", "/jax/core/compile/jaxpr_trace_duration")
+LOWER_SPAN = getattr(_dispatch, "JAXPR_TO_MLIR_MODULE_EVENT", "/jax/core/compile/jaxpr_to_mlir_module_duration")
+COMPILE_SPAN = getattr(_dispatch, "BACKEND_COMPILE_EVENT", "/jax/core/compile/backend_compile_duration")
+CACHE_USED = "/jax/compilation_cache/compile_requests_use_cache"
+CACHE_HIT = "/jax/compilation_cache/cache_hits"
+CACHE_MISS = "/jax/compilation_cache/cache_misses"
+_CALLBACKS = frozenset({"debug_callback", "io_callback", "pure_callback", "callback"})
+
+
+class _Hooks:
+    lock = threading.Lock()
+    jit = None  # (on_call, on_span, on_event) while watched
+    promote = None  # on_promote(n_promoted) while watched
+    orig_infer = None
+    orig_promote = None
+
+
+def _infer_params(fun, ji, args, kwargs):
+    hooks = _Hooks.jit
+    after = None
+    if hooks is not None and _core.trace_state_clean():
+        try:
+            after = hooks[0](fun, ji, args, kwargs)
+        except Exception:  # noqa: BLE001 - telemetry never breaks a jit call
+            after = None
+    out = _Hooks.orig_infer(fun, ji, args, kwargs)
+    if after is not None:
+        try:
+            after(out[0])
+        except Exception:  # noqa: BLE001
+            pass
+    return out
+
+
+def _span(event, start, end, **kwargs):
+    hooks = _Hooks.jit
+    if hooks is not None:
+        hooks[1](event, start, end, kwargs.get("fun_name"))
+
+
+def _event(event, **kwargs):
+    hooks = _Hooks.jit
+    if hooks is not None and event.startswith("/jax/compilation_cache/"):
+        hooks[2](event)
+
+
+def watch_jit(on_call, on_span, on_event) -> bool:
+    """Observe top-level jit calls and compile spans (None: stop). False
+    when this JAX lacks what it takes (nothing is installed then)."""
+    if _pjit is None or _monitoring is None or not hasattr(_pjit, "_infer_params"):
+        return False
+    with _Hooks.lock:
+        if on_call is None:
+            if _Hooks.jit is not None:
+                _Hooks.jit = None
+                if getattr(_pjit._infer_params, "__jaxtap_patch__", False):
+                    _pjit._infer_params = _Hooks.orig_infer
+                for registry, fn in ((_monitoring._event_time_span_listeners, _span),
+                                     (_monitoring._event_listeners, _event)):
+                    while fn in registry:
+                        registry.remove(fn)  # ours alone: clear_event_listeners() would take others'
+            return True
+        if _Hooks.jit is None:
+            _Hooks.orig_infer = _pjit._infer_params
+            _pjit._infer_params = _infer_params
+            _monitoring.register_event_time_span_listener(_span)
+            _monitoring.register_event_listener(_event)
+        _Hooks.jit = (on_call, on_span, on_event)
+        return True
+
+
+_infer_params.__jaxtap_patch__ = True
+
+
+def _promote(in_val, in_aval, out_aval):
+    out = _Hooks.orig_promote(in_val, in_aval, out_aval)
+    hook = _Hooks.promote
+    if hook is not None and out[1]:
+        try:
+            hook()
+        except Exception:  # noqa: BLE001
+            pass
+    return out
+
+
+def watch_promotions(on_promote) -> bool:
+    """Call ``on_promote()`` on this JAX's promotion of a weakly typed loop
+    carry (the loop's body is then traced twice); None stops."""
+    if _loops is None or not hasattr(_loops, "_promote_weak_typed_input"):
+        return False
+    with _Hooks.lock:
+        if on_promote is None:
+            if _Hooks.promote is not None:
+                _Hooks.promote = None
+                if _loops._promote_weak_typed_input is _promote:
+                    _loops._promote_weak_typed_input = _Hooks.orig_promote
+            return True
+        if _Hooks.promote is None:
+            _Hooks.orig_promote = _loops._promote_weak_typed_input
+            _loops._promote_weak_typed_input = _promote
+        _Hooks.promote = on_promote
+        return True
+
+
+_SOURCEINFO = re.compile(r"^(?P<name>.*) at (?P<file>.*):(?P<line>\d+)$")
+
+
+def jit_function_site(fun, ji):
+    """(name, file, line) of a jitted function (file/line may be None)."""
+    text = getattr(ji, "fun_sourceinfo", None) or ""
+    m = _SOURCEINFO.match(text)
+    name = getattr(fun, "__name__", None) or (m.group("name") if m else None) or type(fun).__name__
+    if m is None:
+        return name, None, None
+    return name, m.group("file"), int(m.group("line"))
+
+
+def is_user_file(path) -> bool:
+    """Is ``path`` neither JAX's nor jax-tap's (JAX's own notion of a user file)?"""
+    if path is None or _source_info is None:
+        return False
+    return bool(_source_info.is_user_filename(os.path.abspath(path)))
+
+
+def trace_context():
+    """JAX's trace context (configuration that keys every jit cache)."""
+    try:
+        return _config.trace_context()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def aval_text(aval) -> str:
+    """``f32[8]``, ``f32[] weak`` for a weakly typed value."""
+    try:
+        text = aval.str_short(short_dtypes=True)
+    except Exception:  # noqa: BLE001
+        text = str(aval)
+    return text + (" weak" if getattr(aval, "weak_type", False) else "")
+
+
+def _subjaxprs(eqn):
+    from .eqns import subjaxprs_of
+    return subjaxprs_of(eqn.params)
+
+
+def count_eqns(jaxpr) -> int:
+    """Equations in ``jaxpr``, sub-jaxprs included."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += 1
+        for sub in _subjaxprs(eqn):
+            n += count_eqns(sub)
+    return n
+
+
+def has_host_callbacks(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _CALLBACKS or any(has_host_callbacks(s) for s in _subjaxprs(eqn)):
+            return True
+    return False
+
+
+def pjit_jaxpr(p):
+    """The open jaxpr of a top-level jit call's parameters (or None)."""
+    try:
+        return p.params["jaxpr"].jaxpr
+    except Exception:  # noqa: BLE001
+        return None

@@ -35,5 +35,5 @@ def test_demo_passes(demo):
     assert lines and lines[-1] == "PASS", f"{demo.name} did not end with PASS{detail}"
 
 
-def test_there_are_ten_demos():
-    assert len(DEMOS) == 10, [d.name for d in DEMOS]
+def test_there_are_eleven_demos():
+    assert len(DEMOS) == 11, [d.name for d in DEMOS]

@@ -39,7 +39,7 @@ def test_a_new_shape_compiles_once_more_and_names_the_argument():
     assert first.path == second.path == f"jit(g)@test_timetaps.py:{line}"
     assert (first.step, second.step) == (0, 1)
     assert first.total is None
-    assert first.value["reason"] == "first compile"
+    assert first.value["reason"] == "first compile in this scope"
     assert second.value["reason"] == "x: f32[8] (was f32[4])"
     assert second.value["signature"] == "x: f32[8]"
     for e in (first, second):
@@ -87,14 +87,79 @@ def test_a_function_jitted_anew_each_call_is_called_out():
 
 
 def test_no_event_for_eager_ops_cache_hits_or_outside_the_block():
+    def g(x):
+        return jnp.sin(x) - 1.0
+
     jg = jax.jit(g)
     jg(jnp.ones(3))  # compiled before the block
     with tap.record(jit_events=True, ops=()) as rec:
         jnp.sin(jnp.ones(5)) + 1.0  # eager ops: JAX's own jits
-        jg(jnp.ones(3))  # compiles again in the block (its jit key includes the block)
-        jg(jnp.ones(3))  # a cache hit
+        jg(jnp.ones(3))  # a cache hit: jit events alone keep the jit key
+        jg(jnp.ones(4))  # compiles
     jg(jnp.ones(6))
-    assert [e.step for e in compiles(rec)] == [0]
+    assert [(e.step, e.value["signature"]) for e in compiles(rec)] == [(0, "x: f32[4]")]
+    with tap.record(jit_events=True) as rec:  # runtime taps re-key: compiled before means compiled again
+        jg(jnp.ones(3))
+    assert [e.value["reason"] for e in compiles(rec)] == ["first compile in this scope"]
+
+
+def test_transformed_ahead_of_time_and_callable_jits_are_attributed():
+    def h(x):
+        return jnp.sin(x) * 3.0
+
+    def k(x):
+        return jnp.cos(x) * 3.0
+
+    class Model:
+        def __call__(self, x):
+            return jnp.tanh(x) * 3.0
+
+    def ctev(x):
+        with jax.ensure_compile_time_eval():
+            t = jnp.cos(jnp.arange(5.0)) * 3.0  # eager ops while ctev is traced
+        return x + t
+
+    with tap.record(jit_events=True, ops=()) as rec:
+        jax.vmap(jax.jit(h))(jnp.ones((2, 3)))
+        lh, lk = jax.jit(h).lower(jnp.ones(7)), jax.jit(k).lower(jnp.ones(7))
+        lk.compile()
+        lh.compile()
+        jax.jit(Model())(jnp.ones(3))
+        jax.jit(ctev)(jnp.ones(5))
+    got = [(e.path.split("@")[0], e.value["signature"]) for e in compiles(rec)]
+    assert got == [("jit(h)", "x: f32[3]"),  # as the vmapped function sees it
+                   ("jit(k)", "x: f32[7]"), ("jit(h)", "x: f32[7]"),
+                   ("jit(Model)", "x: f32[3]"), ("jit(ctev)", "x: f32[5]")]
+    assert compiles(rec)[0].value["reason"].startswith("a transformed program")
+    assert all("@test_timetaps.py:" in e.path for e in compiles(rec))
+
+
+def test_reasons_for_a_keyword_argument_a_long_static_value_and_the_same_function():
+    def m(x, cfg=()):
+        return x * len(cfg)
+
+    jm = jax.jit(m, static_argnames="cfg")
+    x = jnp.ones(3)
+    with tap.record(jit_events=True, ops=()) as rec:
+        jm(x, cfg=tuple(range(30)) + (1,))
+        jm(x, cfg=tuple(range(30)) + (2,))  # differs past the repr's first 60 characters
+        jm(x=x, cfg=tuple(range(30)) + (2,))
+    reasons = [e.value["reason"] for e in compiles(rec)]
+    assert reasons[1].startswith("cfg: a different static value")
+    assert reasons[2] == "x: f32[3] by keyword (was f32[3])"
+    jax.clear_caches()
+    with tap.record(jit_events=True, ops=()) as rec:
+        jm(x, cfg=(1,))
+        jax.clear_caches()
+        jm(x, cfg=(1,))
+    assert compiles(rec)[1].value["reason"].startswith("same function, arguments and config")
+
+
+def test_cache_outcome_is_off_without_a_cache_directory():
+    assert jax.config.jax_compilation_cache_dir is None
+    with tap.record(jit_events=True, ops=()) as rec:
+        jax.jit(lambda x: x * 7.0)(jnp.ones(2))
+    assert [e.value["cache"] for e in compiles(rec)] == ["off"]
 
 
 def test_max_compiles_prints_one_fail_line_with_the_reason(capfd):
@@ -122,8 +187,9 @@ def test_wrapped_functions_report_the_jits_they_call():
     f(jnp.ones(2))
     f(jnp.ones(2))
     f(jnp.ones(7))
-    assert [(e.kind, e.step) for e in seen] == [("compile", 0), ("compile", 0)]
-    assert seen[1].value["reason"] == "first compile"  # each call is its own run, as for alerts
+    # the wrapper counts compilations over its life (a storm spans calls)
+    assert [(e.kind, e.step) for e in seen] == [("compile", 0), ("compile", 1)]
+    assert seen[1].value["reason"] == "x: f32[7] (was f32[2])"
 
 
 def test_listeners_and_patches_are_removed_one_by_one_also_on_errors():
@@ -170,7 +236,14 @@ def test_bad_options_fail_before_running(kw, err):
 
 
 # ---------------------------------------------------------------- trace events
-def nested(x):
+def make_nested():
+    """A fresh function each call (JAX caches traces per function object)."""
+    def nested(x):
+        return _nested(x)
+    return nested
+
+
+def _nested(x):
     def inner(c):
         return jax.lax.scan(lambda a, _: (a * 1.01, None), c, None, length=2)[0]
 
@@ -184,13 +257,29 @@ def nested(x):
 
 def test_trace_events_sit_at_the_runtime_addresses():
     with tap.record(trace_events=True) as rec:
-        jax.jit(nested)(1.0)
+        jax.jit(make_nested())(1.0)
     at_trace = [e.path for e in traces(rec)]
     assert at_trace == ["scan[0]", "scan[0]/while[0]", "scan[0]/while[0]/jit[0]/scan[0]", "scan[0]/scan[0]"]
     assert set(at_trace) == {e.path for e in rec.events if e.kind == "carry"}
     top = traces(rec)[0].value
     assert top["carry"] == ["f32[] weak"] and top["weak_promoted"] == 0 and top["traces"] == 1
     assert top["eqns"] > traces(rec)[1].value["eqns"] > 0
+
+
+def test_a_promotion_in_a_custom_rule_body_is_not_given_to_another_loop():
+    bf = jnp.bfloat16
+
+    def helper(c):
+        return jax.lax.scan(lambda d, _: (d + jnp.ones((), bf), None), c, None, length=2)[0]
+
+    @jax.custom_jvp
+    def cj(x):
+        return helper(0.0) + x  # promoted here, in a custom rule's body (no trace event)
+
+    cj.defjvp(lambda p, t: (cj(p[0]), t[0]))
+    with tap.record(trace_events=True, ops=()) as rec:
+        jax.jit(lambda x: cj(x) + helper(x))(bf(1))
+    assert [(e.path, e.value["weak_promoted"]) for e in traces(rec)] == [("scan[0]", 0)]
 
 
 def test_a_weak_carry_promoted_by_the_body_is_reported_and_retracing_counts():
@@ -208,9 +297,9 @@ def test_a_weak_carry_promoted_by_the_body_is_reported_and_retracing_counts():
 
 def test_trace_events_alone_leave_the_lowered_program_byte_identical():
     x = jnp.float32(1.0)
-    clean = jax.jit(nested).lower(x).as_text()
+    clean = jax.jit(make_nested()).lower(x).as_text()
     with tap.record(trace_events=True, ops=()) as rec:
-        tapped = jax.jit(nested).lower(x).as_text()
+        tapped = jax.jit(make_nested()).lower(x).as_text()
     assert len(traces(rec)) == 4
     assert tapped == clean
 
@@ -240,7 +329,7 @@ def validate_timeline(path):
 
 
 def test_timeline_holds_compile_spans_loop_counters_and_instants(tmp_path):
-    jn = jax.jit(nested)
+    jn = jax.jit(make_nested())
     with tap.record(jit_events=True, trace_events=True, select=lambda leaves: ()) as rec:
         jn(1.0)
         jn(jnp.float32(1.0))  # strong: compiles and traces again
@@ -259,9 +348,25 @@ def test_timeline_holds_compile_spans_loop_counters_and_instants(tmp_path):
     assert first_compile < min(e["ts"] for e in events if e["ph"] == "C")
 
 
+def test_timeline_of_a_wrapper_keeps_every_call(tmp_path):
+    f, rec = tap.record(jax.jit(lambda x: jnp.sin(x) + 4.0), jit_events=True, ops=())
+    f(jnp.ones(3))
+    f(jnp.ones(4))
+    rec.timeline(tmp_path / "w.json")
+    spans = [e for e in validate_timeline(tmp_path / "w.json") if e["ph"] == "X"]
+    assert len(spans) == 6 and [e.step for e in compiles(rec)] == [0, 1]
+
+
+def test_summary_time_is_the_union_of_overlapping_spans():
+    from jaxtap._cli import _covered
+    spans = [(1, "a", "trace", 0.0, 2.0), (2, "b", "compile", 1.0, 3.0), (1, "c", "compile", 5.0, 6.0),
+             (1, "c", "alert", 5.5, "[tap] FAIL ...")]
+    assert _covered(spans) == 4.0
+
+
 def test_timeline_without_times_has_the_spans_only(tmp_path):
     with tap.record(select=lambda leaves: ()) as rec:
-        jax.jit(nested)(1.0)
+        jax.jit(make_nested())(1.0)
     rec.timeline(tmp_path / "t.json")
     assert [e for e in validate_timeline(tmp_path / "t.json") if e["ph"] != "M"] == []
 
@@ -304,10 +409,10 @@ def test_cli_jit_events_summary_fail_line_and_timeline(tmp_path):
 def test_compile_and_trace_events_round_trip_through_jsonl(tmp_path):
     path = tmp_path / "run.jsonl"
     with tap.record(jit_events=True, trace_events=True, on_step=tap.JSONLWriter(path), ops=()) as rec:
-        jax.jit(nested)(1.0)
+        jax.jit(make_nested())(1.0)
     back = tap.read_jsonl(path)
     assert [(e.path, e.step, e.kind) for e in back] == [(e.path, e.step, e.kind) for e in rec.events]
-    assert back[-1].kind == "compile" and back[-1].value["reason"] == "first compile"
+    assert back[-1].kind == "compile" and back[-1].value["reason"] == "first compile in this scope"
 
 
 def test_seam_names_the_internals_it_reads():

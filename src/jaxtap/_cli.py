@@ -78,6 +78,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _compile_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (compilations allowed per function), got {text!r}")
+    return n
+
+
 def _nonneg_int(text: str) -> int:
     try:
         value = int(text)
@@ -118,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jit-events", action="store_true",
                    help="record one event per compilation of a jitted function (tracing / lowering / "
                         "compiling seconds, and why it recompiled); the summary lists them")
-    p.add_argument("--max-compiles", metavar="N", type=_positive_int, default=None,
+    p.add_argument("--max-compiles", metavar="N", type=_compile_count, default=None,
                    help="print a [tap] FAIL line the moment a jitted function compiles more than N times, "
                         "with the reason (implies --jit-events)")
     p.add_argument("--trace-events", action="store_true",
@@ -350,7 +360,18 @@ def _steps_only(leaves):  # `select`: only path/step/total cross to the host
 
 
 # ------------------------------------------------------------------ summary
-def _format_summary(script, sink, fails, t0, t_end, outcome) -> str:
+def _covered(spans) -> float:
+    """Seconds covered by the union of (start, end) intervals."""
+    total, end = 0.0, None
+    for a, b in sorted((s[3], s[4]) for s in spans if s[2] != "alert"):
+        if end is None or a > end:
+            total, end = total + (b - a), b
+        elif b > end:
+            total, end = total + (b - end), b
+    return total
+
+
+def _format_summary(script, sink, fails, t0, t_end, outcome, spans=()) -> str:
     lines = [f"[jax-tap] summary: {script} ({outcome})"]
     if sink.stats:
         rows = [(path, kind, str(c), f"{step}/{'?' if total is None else total}")
@@ -367,13 +388,13 @@ def _format_summary(script, sink, fails, t0, t_end, outcome) -> str:
     lines.append(f"  alerts fired ([tap] FAIL lines): {fails}")
     total = t_end - t0
     if sink.compiles:
-        jit_s = sum(c[1] for c in sink.compiles.values())
+        jit_s = _covered(spans)  # wall time with some tracing/lowering/compiling on (threads overlap)
         n = sum(c[0] for c in sink.compiles.values())
         lines.append(f"  compilations: {n} of {len(sink.compiles)} jitted functions")
         for path, (count, secs, reason) in sorted(sink.compiles.items(), key=lambda kv: -kv[1][1])[:10]:
             why = f"  last: {reason}" if count > 1 else ""
             lines.append(f"    {path}  x{count}  {secs:.3f} s{why}")
-        lines.append(f"  tracing+lowering+compiling: {jit_s:9.3f} s  (from the compile events)")
+        lines.append(f"  tracing+lowering+compiling: {jit_s:9.3f} s  (wall time covered by compile spans)")
         lines.append(f"  everything else:            {total - jit_s:9.3f} s  (execution, Python, start-up)")
     elif sink.first is not None:
         lines.append(f"  time to first event: {sink.first - t0:9.3f} s  (start-up, tracing, compilation)")
@@ -424,7 +445,8 @@ def main(argv=None) -> int:
         _print_exception(error, _script_traceback(error.__traceback__))
         code = 130 if isinstance(error, KeyboardInterrupt) else 1
     if ns.summary:
-        _report(ns.script, sink, err_tap, real_stderr, t0, t_end, error, code)
+        _report(ns.script, sink, err_tap, real_stderr, t0, t_end, error, code,
+                block._times.spans if block._times is not None else ())
     if ns.timeline:
         _write_timeline(ns.timeline, sink, block, real_stderr)
     return code
@@ -536,7 +558,7 @@ def _run_script(ns, block, progress, err_tap, real_stderr, writer):
     return error, code, t0, t_end
 
 
-def _report(script, sink, err_tap, real_stderr, t0, t_end, error, code) -> None:
+def _report(script, sink, err_tap, real_stderr, t0, t_end, error, code, spans=()) -> None:
     """The --summary table, on the real stderr."""
     if error is not None:
         outcome = f"raised {type(error).__name__}, exit code {code}"
@@ -549,7 +571,7 @@ def _report(script, sink, err_tap, real_stderr, t0, t_end, error, code) -> None:
         sys.stdout.flush()
     except Exception:  # noqa: BLE001
         pass
-    text = _format_summary(script, sink, fails, t0, t_end, outcome)
+    text = _format_summary(script, sink, fails, t0, t_end, outcome, spans)
     if err_tap is not None and err_tap.midline:
         text = "\n" + text  # the script left stderr mid-line
     _say(text, real_stderr if real_stderr is not None else sys.__stderr__, end="")

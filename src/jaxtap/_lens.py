@@ -223,8 +223,7 @@ class _Registry:
         if thread == threading.get_ident():
             self._sync_thread_token()
         else:
-            sole = self.sole()
-            _seam.set_global_token(sole._token if sole is not None else None)
+            _seam.set_global_token(_jit_key(self.sole()))
 
     def active(self):
         for stack in list(self.stacks.values()):
@@ -252,10 +251,8 @@ class _Registry:
         return None
 
     def _sync_thread_token(self):
-        ctx = self.top(threading.get_ident())
-        _seam.set_thread_token(ctx._token if ctx is not None else None)
-        sole = self.sole()
-        _seam.set_global_token(sole._token if sole is not None else None)
+        _seam.set_thread_token(_jit_key(self.top(threading.get_ident())))
+        _seam.set_global_token(_jit_key(self.sole()))
 
     def sole(self):
         """The only active block in the process, if exactly one is active.
@@ -279,6 +276,14 @@ class _Registry:
             _uninstall_all()
         _seam.set_thread_token(None)
         _seam.set_global_token(None)
+
+
+def _jit_key(ctx):
+    """The jit-key token of a scope: None for one that rewrites nothing (only
+    jit-event / trace-time taps), so its programs keep their cache hits."""
+    if ctx is None or not ctx._plan.rewrites:
+        return None
+    return ctx._token
 
 
 _MAX_TOKENS = 32  # configurations remembered for reuse of their compilations
@@ -348,9 +353,9 @@ def _times_here(jit=False):
     return times
 
 
-def _on_jit_call(fun, ji, args, kwargs):
+def _on_jit_call(fun, ji, args, kwargs, clean=True):
     times = _times_here(jit=True)
-    return None if times is None else times.on_call(fun, ji, args, kwargs)
+    return None if times is None else times.on_call(fun, ji, args, kwargs, clean)
 
 
 def _on_span(event, start, end, fun_name):
@@ -462,17 +467,14 @@ def _intercept(prim, handler, ctx, args, params):
     # a custom_jvp/custom_vjp body JAX may trace and discard: its loops take
     # no number until their events arrive (_Router); others, program order
     provisional = _seam.in_custom_body_trace(ctx.barrier)
+    path = None
     if not provisional:
         kind = "scan" if prim is _seam.scan_p else "while"
-        index = ctx._sites.index(kind, _seam.loop_site(prim, params, site))
-        times = getattr(ctx, "_times", None)
-        if times is not None and times.trace_events:
-            with _seam.quiet():
-                try:
-                    times.on_loop(f"{kind}[{index}]", prim, params, site)
-                except Exception as exc:  # noqa: BLE001 - telemetry never breaks the program
-                    warn_once_now(f"jax-tap: a trace event failed ({type(exc).__name__}: {exc}).")
-    if not ctx._plan.kinds and not ctx._plan.prim_taps:
+        path = f"{kind}[{ctx._sites.index(kind, _seam.loop_site(prim, params, site))}]"
+    times = getattr(ctx, "_times", None)
+    if times is not None and times.trace_events:
+        _trace_event(times, path, prim, params, site)
+    if not ctx._plan.rewrites:
         return _seam.bind_original(prim, args, params)  # time taps only: the loop as it is
     with _seam.quiet():
         try:
@@ -486,6 +488,16 @@ def _intercept(prim, handler, ctx, args, params):
             raise
         except Exception as exc:  # noqa: BLE001 - our failure must not be the user's
             return _untapped(prim, args, params, exc, f"a {prim.name} loop")
+
+
+def _trace_event(times, path, prim, params, site):
+    """The trace events of a top-level loop (None: one in a custom rule's
+    body, whose address is fixed only when its events arrive: none)."""
+    with _seam.quiet():
+        try:
+            times.on_loop(path, prim, params, site)
+        except Exception as exc:  # noqa: BLE001 - telemetry never breaks the program
+            warn_once_now(f"jax-tap: a trace event failed ({type(exc).__name__}: {exc}).")
 
 
 _EAGER_MAX = 64  # tapped eager loops kept compiled, per configuration

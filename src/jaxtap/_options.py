@@ -265,6 +265,12 @@ class Plan:
     def active(self) -> bool:
         return self.emit_carry or self.emit_ys or bool(self.prim_taps)
 
+    @property
+    def rewrites(self) -> bool:
+        """Does this plan change any program? (Not with only jit-event and
+        trace-time taps: ``ops=()`` and no primitive taps.)"""
+        return (self.emits_loops and bool(self.kinds)) or bool(self.prim_taps)
+
 
 def build_plan(config: Config, *, emit_carry: bool, emit_ys: bool) -> Plan:
     """The device side of ``config``: what the loops emit, and how."""

@@ -17,10 +17,13 @@ Everything here runs on the host, behind the consumers' guards.
 """
 from __future__ import annotations
 
+import collections
 import inspect
 import os
+import re
 import threading
 import time
+import weakref
 from typing import Any, Optional
 
 from . import _seam
@@ -33,13 +36,17 @@ _PHASES = {_seam.monitor.TRACE_SPAN: "trace", _seam.monitor.LOWER_SPAN: "lower",
 
 
 class _Call:
-    """One top-level jit call being traced, lowered and compiled."""
+    """One jitted function being traced, lowered and compiled."""
 
-    __slots__ = ("path", "signature", "jaxpr", "spans", "cache")
+    __slots__ = ("path", "signature", "fun_id", "jaxpr", "spans", "cache", "transformed")
 
-    def __init__(self, path, signature):
-        self.path, self.signature = path, signature
+    def __init__(self, path, signature, fun_id, transformed=False):
+        self.path, self.signature, self.fun_id, self.transformed = path, signature, fun_id, transformed
         self.jaxpr, self.spans, self.cache = None, {}, "off"
+
+
+_MAX_PENDING = 64  # calls per thread awaiting their compilation (most recent kept)
+_MODULE = re.compile(r"^\w+\((?P<name>.*)\)$")  # "jit(loss)": the name JAX gives a module
 
 
 class TimeTaps:
@@ -48,7 +55,13 @@ class TimeTaps:
     ``deliver(event)`` is the scope's consumer fan-out (recorder, ``on_step``,
     ``alert``). ``spans`` keeps every tracing / lowering / compiling span for
     :meth:`FlightRecorder.timeline` as ``(thread, path, phase, start, end)``
-    in ``time.time()`` seconds.
+    in ``time.time()`` seconds, and each FAIL line printed as
+    ``(thread, path, "alert", time, line)``.
+
+    A compilation is matched to the jit call that asked for it by function
+    name, per thread: JAX names its spans ``f`` (tracing) and ``jit(f)``
+    (lowering, compiling), and lowers and compiles a call's program right
+    after tracing it, or later (``.lower()`` then ``.compile()``).
     """
 
     def __init__(self, deliver, jit_events=False, trace_events=False, max_compiles=None):
@@ -56,28 +69,43 @@ class TimeTaps:
         self.jit_events = jit_events or max_compiles is not None
         self.trace_events = trace_events
         self.max_compiles = max_compiles
-        self.spans: list = []
+        self.spans: list = []  # kept across runs, as the recorder keeps its events
         self._local = threading.local()
         self._lock = threading.Lock()
         self.new_run()
 
     def new_run(self) -> None:
-        self._history: dict = {}  # path -> [signature, ...]
+        """A new block: compile counts and reasons start over."""
+        self._history: dict = {}  # path -> [(signature, function id), ...]
         self._traces: dict = {}  # loop address -> times staged
         self._promoted: dict = {}  # (file, line) -> promoted carries, not yet reported
         self._alerted: set = set()
-        self.spans = []
 
     # ------------------------------------------------------------ jit events
-    def on_call(self, fun, ji, args, kwargs):
-        """A top-level jit call (before JAX looks it up): remember what it is
-        called with; its spans follow on this thread."""
+    def _pending(self):
+        pending = getattr(self._local, "pending", None)
+        if pending is None:
+            pending = self._local.pending = collections.OrderedDict()
+        return pending
+
+    def on_call(self, fun, ji, args, kwargs, clean=True):
+        """A jit call (before JAX looks it up): what it is called with.
+        JAX's own jits (eager operations) are remembered as such, so that
+        their compilations are not reported."""
         name, file, line = _seam.monitor.jit_function_site(fun, ji)
+        key = _seam.monitor.span_name(fun)
+        pending = self._pending()
         if _seam.BUSY.depth or not _seam.monitor.is_user_file(file):
-            self._local.call = None  # JAX's own jits (eager ops) and jax-tap's
+            call = None if file is not None or _internal(fun) else _Call(f"jit({name})", None, _ref(fun))
+        else:
+            site = f"@{os.path.basename(file)}:{line}" if file else ""
+            call = _Call(f"jit({name}){site}", _signature(fun, ji, args, kwargs), _ref(fun), not clean)
+        pending.pop(key, None)
+        pending[key] = call
+        while len(pending) > _MAX_PENDING:
+            pending.popitem(last=False)
+        if call is None:
             return None
-        call = _Call(f"jit({name})@{os.path.basename(file)}:{line}", _signature(fun, ji, args, kwargs))
-        self._local.call = call
 
         def after(params):
             call.jaxpr = _seam.monitor.pjit_jaxpr(params)
@@ -86,46 +114,61 @@ class TimeTaps:
 
     def on_span(self, event, start, end, fun_name):
         phase = _PHASES.get(event)
-        call = getattr(self._local, "call", None)
-        if phase is None or call is None:
+        if phase is None or not isinstance(fun_name, str):
             return
+        m = _MODULE.match(fun_name) if phase != "trace" else None
+        name = m.group("name") if m else fun_name
+        pending = self._pending()
+        if name in pending:
+            call = pending[name]
+        elif phase == "compile":  # a program no top-level call asked for: vmap/grad of a jit
+            call = _Call(f"jit({name})", None, None, transformed=True)
+        else:
+            return
+        if call is None:
+            return  # JAX's own
         call.spans[phase] = (start, end)
         with self._lock:
             self.spans.append((threading.get_ident(), call.path, phase, start, end))
         if phase == "compile":
-            self._local.call = None
+            if pending.get(name) is call and not call.transformed:
+                del pending[name]  # (a transformed call may compile several programs: grad's)
             self._compiled(call)
+            call.spans = {}
+        self._local.last = call
 
     def on_event(self, event):
-        call = getattr(self._local, "call", None)
+        call = getattr(self._local, "last", None)
         if call is None:
             return
         if event == _seam.monitor.CACHE_HIT:
             call.cache = "hit"
         elif event == _seam.monitor.CACHE_MISS:
             call.cache = "miss"
-        elif event == _seam.monitor.CACHE_USED and call.cache == "off":
-            call.cache = "miss"
 
     def _compiled(self, call):
-        with self._lock:
-            history = self._history.setdefault(call.path, [])
-            n = len(history)
-            reason = _reason(call.signature, history)
-            history.append(call.signature)
+        if call.signature is None or call.transformed:
+            n, reason = self._count(call.path, None), _TRANSFORMED
+        else:
+            with self._lock:
+                history = self._history.setdefault(call.path, [])
+                n = len(history)
+                reason = _reason(call.signature, call.fun_id, history)
+                history.append((call.signature, call.fun_id))
         jaxpr = call.jaxpr
+        spans = call.spans
         value = {
-            "trace_s": _duration(call.spans.get("trace")),
-            "lower_s": _duration(call.spans.get("lower")),
-            "compile_s": _duration(call.spans.get("compile")),
+            "trace_s": _duration(spans.get("trace")),
+            "lower_s": _duration(spans.get("lower")),
+            "compile_s": _duration(spans.get("compile")),
             "cache": call.cache,
             # the persistent cache keys a program by its callbacks' addresses:
             # one that holds host callbacks never hits in a new process
             "cold_in_new_process": bool(jaxpr is not None and _seam.monitor.has_host_callbacks(jaxpr)),
             "reason": reason,
-            "signature": ", ".join(f"{k}: {v}" for k, v in call.signature[0]),
+            "signature": "" if call.signature is None else ", ".join(f"{k}: {v}" for k, v, _ in call.signature[0]),
             "eqns": None if jaxpr is None else _seam.monitor.count_eqns(jaxpr),
-            "start": call.spans.get("trace", call.spans["compile"])[0],
+            "start": min(a for a, _ in spans.values()),
         }
         event = TapEvent(call.path, n, value, total=None, kind="compile")
         if self.max_compiles is not None and n + 1 > self.max_compiles and call.path not in self._alerted:
@@ -136,6 +179,12 @@ class TimeTaps:
             _say(line)
         self.deliver(event)
 
+    def _count(self, path, signature):
+        with self._lock:
+            history = self._history.setdefault(path, [])
+            history.append((signature, None))
+            return len(history) - 1
+
     # ---------------------------------------------------------- trace events
     def on_promotion(self):
         site = _seam.current_site()
@@ -144,10 +193,18 @@ class TimeTaps:
             self._promoted[key] = self._promoted.get(key, 0) + 1
 
     def on_loop(self, path, prim, params, site):
-        """A loop staged at ``path`` (and the loops inside it, at theirs)."""
-        self._report(path, prim, params, site)
-        for sub_path, eqn in nested_loops(path, _seam.loop_body(prim, params).jaxpr):
-            self._report(sub_path, eqn.primitive, eqn.params, _seam.site_of_eqn(eqn))
+        """A top-level loop staged at ``path`` (and the loops inside it, at
+        theirs); ``path`` None: a loop in a custom rule's body (no event).
+        Promotions pending now happened while JAX traced this loop: what
+        its reports do not claim is dropped."""
+        try:
+            if path is not None:
+                self._report(path, prim, params, site)
+                for sub_path, eqn in nested_loops(path, _seam.loop_body(prim, params).jaxpr):
+                    self._report(sub_path, eqn.primitive, eqn.params, _seam.site_of_eqn(eqn))
+        finally:
+            with self._lock:
+                self._promoted.clear()
 
     def _report(self, path, prim, params, site):
         body = _seam.loop_body(prim, params)
@@ -194,8 +251,20 @@ def nested_loops(prefix, jaxpr, counter=None):
 
 
 # ------------------------------------------------------------------ reasons
+_TRANSFORMED = ("a transformed program (vmap, grad or pmap of a jitted function, or compiled ahead of time): "
+                "no top-level call to compare")
+_NEW_FUNCTION = "same arguments and config: a new function object (jit it once, outside the loop)"
+_UNEXPLAINED = ("same function, arguments and config as before: JAX's cache missed for what types do not show "
+                "(committed vs uncommitted arrays, shardings, or its caches were cleared)")
+
+
+def _internal(fun) -> bool:
+    return str(getattr(fun, "__module__", "") or "").startswith(("jax.", "jaxlib", "jaxtap"))
+
+
 def _signature(fun, ji, args, kwargs):
-    """((name, type text), ...) per argument leaf, and JAX's trace context."""
+    """((name, type text, key), ...) per argument leaf, and JAX's trace
+    context. ``key`` decides equality (a static value itself, not its repr)."""
     names = _arg_names(fun, len(args))
     static_nums = set(getattr(ji, "static_argnums", ()) or ())
     static_names = set(getattr(ji, "static_argnames", ()) or ())
@@ -203,7 +272,7 @@ def _signature(fun, ji, args, kwargs):
     for i, a in enumerate(args):
         entries.extend(_describe(names[i], a, i in static_nums))
     for k, v in kwargs.items():
-        entries.extend(_describe(k, v, k in static_names))
+        entries.extend((n, t + " by keyword", (key, "by keyword")) for n, t, key in _describe(k, v, k in static_names))
     return tuple(entries), _seam.monitor.trace_context()
 
 
@@ -221,13 +290,18 @@ def _describe(name, value, static):
     import jax
     if static:
         text = repr(value)
-        return [(name, "static " + (text if len(text) <= 60 else text[:57] + "..."))]
+        try:
+            key = ("static", hash(value), value)
+        except TypeError:
+            key = ("static", text)
+        return [(name, "static " + (text if len(text) <= 60 else text[:57] + "..."), key)]
     leaves = jax.tree_util.tree_flatten_with_path(value)[0]
     if len(leaves) == 1 and not leaves[0][0]:
-        return [(name, _leaf_text(leaves[0][1]))]
+        text = _leaf_text(leaves[0][1])
+        return [(name, text, text)]
     if not leaves:
-        return [(name, "empty pytree")]
-    return [(name + jax.tree_util.keystr(p), _leaf_text(x)) for p, x in leaves]
+        return [(name, "empty pytree", "empty pytree")]
+    return [(name + jax.tree_util.keystr(p), t, t) for p, t in ((p, _leaf_text(x)) for p, x in leaves)]
 
 
 def _leaf_text(x):
@@ -237,12 +311,25 @@ def _leaf_text(x):
         return type(x).__name__
 
 
+def _same_key(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an array-valued static argument
+        return a is b
+
+
 def _diff(new, old):
     (new_args, new_ctx), (old_args, old_ctx) = new, old
-    n, o = dict(new_args), dict(old_args)
-    out = [f"{k}: {n[k]} (was {o[k]})" for k in n if k in o and n[k] != o[k]]
-    out += [f"{k}: {n[k]} (new)" for k in n if k not in o]
-    out += [f"{k}: gone (was {o[k]})" for k in o if k not in n]
+    n = {k: (t, key) for k, t, key in new_args}
+    o = {k: (t, key) for k, t, key in old_args}
+    out = []
+    for k, (t, key) in n.items():
+        if k not in o:
+            out.append(f"{k}: {t} (new)")
+        elif not _same_key(key, o[k][1]):
+            was = o[k][0]
+            out.append(f"{k}: {t} (was {was})" if t != was else f"{k}: a different static value ({t})")
+    out += [f"{k}: gone (was {t})" for k, (t, _) in o.items() if k not in n]
     if not _same_context(new_ctx, old_ctx):
         out.append("JAX config changed (part of every jit cache key)")
     return out
@@ -255,15 +342,26 @@ def _same_context(a, b) -> bool:
         return a is b
 
 
-def _reason(signature, history) -> str:
-    """Why a function compiled again: its difference from the closest of its
-    earlier signatures in this scope."""
+def _reason(signature, fun_id, history) -> str:
+    """Why a function compiled (again): its difference from the closest of
+    its earlier signatures in this scope."""
     if not history:
-        return "first compile"
-    diffs = min((_diff(signature, old) for old in reversed(history)), key=len)
-    if not diffs:
-        return "same arguments and config: a new function object (jit it once, outside the loop)"
-    return "; ".join(diffs)
+        return "first compile in this scope"
+    diffs, old_fun = min(((_diff(signature, old), f) for old, f in reversed(history) if old is not None),
+                         key=lambda d: len(d[0]), default=(None, None))
+    if diffs is None:
+        return _TRANSFORMED
+    if diffs:
+        return "; ".join(diffs)
+    return _UNEXPLAINED if old_fun is not None and old_fun() is not None and old_fun() is fun_id() else _NEW_FUNCTION
+
+
+def _ref(fun):
+    """A reference to a jitted function that does not keep it alive."""
+    try:
+        return weakref.ref(fun)
+    except TypeError:
+        return lambda: fun
 
 
 def _duration(span: Optional[tuple]) -> Optional[float]:

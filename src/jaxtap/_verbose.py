@@ -61,8 +61,6 @@ class Tapped:
         self._consumers.new_run()
         for p in self._prims:
             p.new_run()
-        if self._times is not None:
-            self._times.new_run()
         with CallScope(self._token, self._sites, self._names_seen, _seam.barrier_here(), self._times):
             out = f(*args, **kwargs)
         if inspect.isgenerator(out):

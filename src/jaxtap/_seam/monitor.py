@@ -24,6 +24,7 @@ __all__ = [
     "watch_jit",
     "watch_promotions",
     "jit_function_site",
+    "span_name",
     "is_user_file",
     "trace_context",
     "aval_text",
@@ -60,9 +61,9 @@ class _Hooks:
 def _infer_params(fun, ji, args, kwargs):
     hooks = _Hooks.jit
     after = None
-    if hooks is not None and _core.trace_state_clean():
+    if hooks is not None:
         try:
-            after = hooks[0](fun, ji, args, kwargs)
+            after = hooks[0](fun, ji, args, kwargs, _core.trace_state_clean())
         except Exception:  # noqa: BLE001 - telemetry never breaks a jit call
             after = None
     out = _Hooks.orig_infer(fun, ji, args, kwargs)
@@ -147,14 +148,32 @@ def watch_promotions(on_promote) -> bool:
 _SOURCEINFO = re.compile(r"^(?P<name>.*) at (?P<file>.*):(?P<line>\d+)$")
 
 
+def span_name(fun) -> str:
+    """The name JAX's monitoring spans give a jitted function (``f``; its
+    lowering and compiling spans say ``jit(f)``)."""
+    name = getattr(fun, "__name__", None)
+    if name is not None:
+        return name
+    inner = getattr(fun, "func", None)  # functools.partial
+    return span_name(inner) if inner is not None and callable(inner) else "<unnamed function>"
+
+
 def jit_function_site(fun, ji):
-    """(name, file, line) of a jitted function (file/line may be None)."""
+    """(name, file, line) of a jitted function (file/line None when unknown):
+    JAX's source info, else the code of the function, of what a partial
+    wraps, or of a callable object's ``__call__`` (named by its class)."""
     text = getattr(ji, "fun_sourceinfo", None) or ""
     m = _SOURCEINFO.match(text)
-    name = getattr(fun, "__name__", None) or (m.group("name") if m else None) or type(fun).__name__
-    if m is None:
+    name = span_name(fun)
+    if name == "<unnamed function>":
+        name = type(getattr(fun, "func", fun)).__name__
+    if m is not None:
+        return name, m.group("file"), int(m.group("line"))
+    target = getattr(fun, "func", fun)  # functools.partial
+    code = getattr(target, "__code__", None) or getattr(getattr(type(target), "__call__", None), "__code__", None)
+    if code is None:
         return name, None, None
-    return name, m.group("file"), int(m.group("line"))
+    return name, code.co_filename, code.co_firstlineno
 
 
 def is_user_file(path) -> bool:

@@ -17,6 +17,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -67,6 +68,35 @@ def make_while(n):
     return f
 
 
+class _OnBlock:
+    """A consumer that takes columns (a live plot would draw them)."""
+
+    def __init__(self):
+        self.last = None
+
+    def on_block(self, block):
+        self.last = block.values[-1]
+
+    def __call__(self, event):
+        self.last = event.value
+
+
+def recorder_memory(n_events):
+    """Bytes a FlightRecorder holds for ``n_events`` buffered scalar events."""
+    import gc
+    import tracemalloc
+    f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=n_events)[0])
+    gc.collect()
+    tracemalloc.start()
+    with tap.record(select=lambda leaves: leaves[0], flush_every=10_000) as rec:
+        jax.block_until_ready(f(jnp.float32(0)))
+        jax.effects_barrier()
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert len(rec) == n_events
+    return held
+
+
 def timeit(fn, args, repeats):
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
@@ -97,6 +127,7 @@ def main(argv=None):
     never = lambda v: False  # noqa: E731
 
     arms = {}
+    df_us = {}
 
     def arm(name, fn, args=(c0, xs), steps=n):
         first, t = timeit(fn, args, repeats)
@@ -113,6 +144,20 @@ def main(argv=None):
     arm("progress idiom select=()", jax.jit(tap.verbose(make_bare(n), on_step=nothing, select=lambda _: ())))
     for k in (10, 100, 1000):
         arm(f"buffered flush_every={k}", jax.jit(tap.verbose(make_bare(n), on_step=nothing, select=mean, flush_every=k)))
+    # columnar delivery (TapBlock): consumers that take a hop's rows as columns
+    for k in (100, 1000):
+        g_rec, rec = tap.record(make_bare(n), select=mean, flush_every=k)
+        arm(f"buffered K={k}, recorder only (columns)", jax.jit(g_rec))
+        with tempfile.TemporaryDirectory() as d:
+            with tap.JSONLWriter(os.path.join(d, "run.jsonl")) as w:
+                arm(f"buffered K={k}, JSONLWriter", jax.jit(tap.verbose(make_bare(n), on_step=w, select=mean,
+                                                                        flush_every=k)))
+        arm(f"buffered K={k}, on_block consumer",
+            jax.jit(tap.verbose(make_bare(n), on_step=_OnBlock(), select=mean, flush_every=k)))
+        if k == 100:
+            t0 = time.perf_counter()
+            rec.df()
+            df_us[k] = (time.perf_counter() - t0) / len(rec) * 1e6
     arm("primitive tap sin every step", jax.jit(tap.verbose(make_bare(n), taps=[tap.on("sin", select=lambda o: o[0].mean())])))
     arm("primitive tap sin sample_every=100",
         jax.jit(tap.verbose(make_bare(n), taps=[tap.on("sin", select=lambda o: o[0].mean())], sample_every=100)))
@@ -158,6 +203,10 @@ def main(argv=None):
     g0 = tap.verbose(make_bare(n), on_step=nothing, where=lambda p: False)
     first_g0, t_g0 = timeit(g0, (c0, xs), repeats)
 
+    mem_events = 1_000_000 if a.smoke else 10_000_000
+    mem = recorder_memory(mem_events)
+    print(f"  FlightRecorder holding {mem_events:,} buffered scalar events: {mem / 2**20:.1f} MiB "
+          f"({mem / mem_events:.1f} bytes/event)", flush=True)
     us = {k: v["us_per_step"] for k, v in arms.items()}
     b = us["bare"]
     floor = us["raw debug.callback (floor)"] - b
@@ -177,6 +226,15 @@ def main(argv=None):
         / (us["1 lane, verbose select=leaf"] - b),
         "tapping cost under grad / tapping cost without (buffered K=100)":
             (us["grad, buffered flush_every=100"] - us["grad, bare"]) / (us["buffered flush_every=100"] - b),
+        "buffered K=100, recorder only (columns), per event / floor":
+            (us["buffered K=100, recorder only (columns)"] - b) / floor,
+        "buffered K=1000, recorder only (columns), per event / floor":
+            (us["buffered K=1000, recorder only (columns)"] - b) / floor,
+        "buffered K=1000, JSONLWriter, per event / floor": (us["buffered K=1000, JSONLWriter"] - b) / floor,
+        "buffered K=1000, on_block consumer, per event / floor":
+            (us["buffered K=1000, on_block consumer"] - b) / floor,
+        "rec.df() of columns, per event / floor": df_us[100] / floor,
+        "recorder bytes per buffered scalar event": mem / mem_events,
         "repeated verbose call (1 event/call) / plain eager f": t_g / t_plain,
         "repeated verbose call (no emitting loop) / plain eager f": t_g0 / t_plain,
     }
@@ -184,6 +242,9 @@ def main(argv=None):
         "per-step hop (se=1, scalar select) / raw floor": 1.05,
         "se=100 overhead per step / floor": 0.01,
         "buffered K=100, per event / floor": 0.02,
+        "buffered K=1000, recorder only (columns), per event / floor": 0.001,
+        "buffered K=1000, on_block consumer, per event / floor": 0.001,
+        "recorder bytes per buffered scalar event": 100,
         "after with-block / bare": 1.05,
         "vmap 8 lanes / 1 lane, per step": 1.2,
         "repeated verbose call (no emitting loop) / plain eager f": 1.5,

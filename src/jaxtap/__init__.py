@@ -5,6 +5,7 @@
 from jax.lax import scan as original_scan
 from jax.lax import while_loop as original_while_loop
 
+from ._blocks import TapBlock
 from ._collectors import FlightRecorder
 from ._emit import TapSelectError
 from ._event import TapEvent
@@ -18,6 +19,7 @@ from ._version import __version__
 __all__ = [
     "FlightRecorder",
     "JSONLWriter",
+    "TapBlock",
     "TapContext",
     "TapEvent",
     "TapSelectError",

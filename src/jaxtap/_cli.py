@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Optional
 
+import numpy as np
+
 from ._collectors import FlightRecorder
 from ._host import _say
 from . import _seam
@@ -227,6 +229,31 @@ class _Sink(FlightRecorder):
 
     __call__ = append
 
+    def append_block(self, block) -> None:
+        """A buffered block: counted whole; its events only for a JSONL file."""
+        try:
+            n = len(block)
+            if not n:
+                return
+            with self._stats_lock:
+                if self.first is None:
+                    self.first = time.perf_counter()
+                s = self.stats.get((block.path, block.kind))
+                if s is None:
+                    s = self.stats[(block.path, block.kind)] = [0, 0, block.total]
+                s[0] += n
+                s[1], s[2] = int(block.steps[-1]), block.total
+                if self.timeline is not None:
+                    now = time.time()
+                    self.timeline.extend((dataclasses.replace(e, value=None), now) for e in block.events())
+            if self.writer is not None:
+                self.writer.on_block(block)
+        except Exception:  # noqa: BLE001 - telemetry must never disturb the script
+            pass
+
+    def _block_appender(self):
+        return self.append_block
+
     def __len__(self) -> int:
         with self._stats_lock:
             return sum(s[0] for s in self.stats.values())
@@ -248,18 +275,34 @@ class _Progress:
     def __call__(self, event) -> None:
         if "/" in event.path or event.kind != "carry":
             return
-        n = event.step + 1
+        self._at(event.path, event.total, event.step)
+
+    def on_block(self, block) -> None:
+        """A buffered block: the bar moves once per block (and restarts
+        where the steps start over)."""
+        if "/" in block.path or block.kind != "carry" or not len(block):
+            return
+        steps = block.steps
+        ends = [int(i) for i in np.nonzero(np.diff(steps) < 0)[0]] + [len(steps) - 1]
+        start = 0
+        for end in ends:
+            self._at(block.path, block.total, int(steps[start]))
+            self._at(block.path, block.total, int(steps[end]))
+            start = end + 1
+
+    def _at(self, path, total, step) -> None:
+        n = step + 1
         with self._lock:
-            entry = self._bars.get(event.path)
+            entry = self._bars.get(path)
             if entry is None:
-                bar = self._tqdm(desc=event.path, total=event.total, file=self._stream, unit="step",
+                bar = self._tqdm(desc=path, total=total, file=self._stream, unit="step",
                                  dynamic_ncols=True, leave=True)
-                entry = self._bars[event.path] = [bar, 1]
+                entry = self._bars[path] = [bar, 1]
             bar = entry[0]
             if n < bar.n:  # the loop started again
                 entry[1] += 1
                 bar.set_postfix_str(f"call {entry[1]}", refresh=False)
-                bar.reset(total=event.total)
+                bar.reset(total=total)
             if n > bar.n:
                 bar.update(n - bar.n)
 

@@ -7,6 +7,7 @@ from typing import Iterator, List, Optional
 
 import numpy as np
 
+from ._blocks import TapBlock, frame_columns
 from ._event import TapEvent
 
 
@@ -32,7 +33,9 @@ class FlightRecorder:
     def __init__(self, maxlen: Optional[int] = None):
         if maxlen is not None and (not isinstance(maxlen, int) or isinstance(maxlen, bool) or maxlen < 1):
             raise ValueError(f"jax-tap: FlightRecorder(maxlen=...) must be a positive int or None, got {maxlen!r}")
-        self._events = _store((), maxlen)
+        self._events = _store((), maxlen)  # TapEvents and (unbounded recorders) TapBlocks
+        self._blocks = 0  # TapBlocks in _events ...
+        self._extra = 0  # ... and the events they hold beyond one each
         self._times = None  # arrival times (time.time()), parallel to _events, once keep_times()
         self._spans = None  # the scope's jit-event taps (their compile spans), for timeline()
         # Appends, copies and clears of a list/deque are single C calls under
@@ -41,12 +44,23 @@ class FlightRecorder:
     @property
     def events(self) -> List[TapEvent]:
         """The recorded events, oldest first (a list snapshot). Assignable,
-        as in jax-tap 0.3.1 (``rec.events = []`` clears the recorder)."""
-        return list(self._events)
+        as in jax-tap 0.3.1 (``rec.events = []`` clears the recorder).
+        Buffered blocks are kept as columns and become TapEvents here."""
+        items = list(self._events)
+        if not self._blocks:
+            return items
+        out: list = []
+        for item in items:
+            if isinstance(item, TapBlock):
+                out.extend(item.events())
+            else:
+                out.append(item)
+        return out
 
     @events.setter
     def events(self, events) -> None:
         self._events = _store(events, getattr(self._events, "maxlen", None))
+        self._blocks = self._extra = 0
         if self._times is not None:
             self._times = _store([None] * len(self._events), getattr(self._events, "maxlen", None))
 
@@ -60,6 +74,36 @@ class FlightRecorder:
         if self._times is not None:
             self._times.append(time.time())
         self._events.append(event)
+
+    def append_block(self, block: TapBlock) -> None:
+        """Record a block of events, kept as columns (a bounded recorder
+        keeps the last ``maxlen`` of them as TapEvents)."""
+        maxlen = getattr(self._events, "maxlen", None)
+        now = time.time() if self._times is not None else None
+        if maxlen:
+            rows = block.tail(min(len(block), maxlen)).events()
+            self._events.extend(rows)
+            if self._times is not None:
+                self._times.extend([now] * len(rows))
+            return
+        self._events.append(block)
+        self._blocks += 1
+        self._extra += len(block) - 1
+        if self._times is not None:
+            self._times.append(now)
+
+    def on_block(self, block: TapBlock) -> None:
+        """As an ``on_step``, a recorder takes buffered blocks whole too."""
+        append = self._block_appender()
+        if append is not None:
+            append(block)
+            return
+        for event in block.events():
+            self.append(event)
+
+    def _block_appender(self):
+        """``append_block``, or None for a subclass that records events itself."""
+        return self.append_block if type(self).append is FlightRecorder.append else None
 
     def _appender(self):
         """The cheapest callable that records one event (the host's hot path)."""
@@ -81,6 +125,7 @@ class FlightRecorder:
     def clear(self) -> None:
         """Forget every recorded event."""
         self._events.clear()
+        self._blocks = self._extra = 0
         if self._times is not None:
             self._times.clear()
 
@@ -96,11 +141,17 @@ class FlightRecorder:
         """
         from ._timeline import write_timeline
         spans = list(self._spans.spans) if self._spans is not None else []
-        times = list(self._times) if self._times is not None else [None] * len(self._events)
-        write_timeline(path, list(self._events), times, spans)
+        items = list(self._events)
+        times = list(self._times) if self._times is not None else [None] * len(items)
+        events, stamps = [], []
+        for item, t in zip(items, times):
+            rows = item.events() if isinstance(item, TapBlock) else [item]
+            events.extend(rows)
+            stamps.extend([t] * len(rows))
+        write_timeline(path, events, stamps, spans)
 
     def __len__(self) -> int:
-        return len(self._events)
+        return len(self._events) + self._extra
 
     def __iter__(self) -> Iterator[TapEvent]:
         return iter(self.events)
@@ -128,17 +179,47 @@ class FlightRecorder:
             raise ImportError(
                 'FlightRecorder.df() needs pandas: pip install "jax-tap[pandas]"'
             ) from None
-        rows = []
-        for e in self.events:
-            row = {"path": e.path, "step": e.step}
-            if kind:
-                row["kind"] = e.kind
-            if total:
-                row["total"] = e.total
-            _flatten_value(e.value, "value", row, top=True)
-            rows.append(row)
         base = ["path", "step"] + (["kind"] if kind else []) + (["total"] if total else [])
-        return pd.DataFrame(rows, columns=None if rows else base)
+        frames, rows = [], []
+        for item in list(self._events):
+            if not isinstance(item, TapBlock):
+                rows.append(_row(item, kind, total))
+                continue
+            if rows:
+                frames.append(pd.DataFrame(rows))
+                rows = []
+            frames.append(pd.DataFrame(_block_columns(item, kind, total)))  # columns as they came
+        if rows or not frames:
+            frames.append(pd.DataFrame(rows, columns=None if rows else base))
+        if len(frames) == 1:
+            return frames[0]
+        df = pd.concat(frames, ignore_index=True)
+        if total:  # as one frame of rows infers it: None among ints is NaN
+            totals = df["total"].tolist()
+            if any(t is None for t in totals) and not all(t is None for t in totals):
+                df["total"] = pd.to_numeric(df["total"]).astype("float64")
+        return df
+
+
+def _row(e, kind, total):
+    row = {"path": e.path, "step": e.step}
+    if kind:
+        row["kind"] = e.kind
+    if total:
+        row["total"] = e.total
+    _flatten_value(e.value, "value", row, top=True)
+    return row
+
+
+def _block_columns(block, kind, total):
+    n = len(block)
+    cols = {"path": [block.path] * n, "step": block.steps.astype(np.int64)}
+    if kind:
+        cols["kind"] = [block.kind] * n
+    if total:
+        cols["total"] = [block.total] * n
+    cols.update({k: v for k, v in frame_columns(block, _flatten_value).items() if k not in cols})
+    return cols
 
 
 def _store(events, maxlen):

@@ -16,6 +16,7 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 
 from . import _seam
+from ._blocks import TapBlock, column_block
 from ._event import TapEvent, make_event
 from ._host import Guard
 
@@ -190,17 +191,21 @@ def _deliver_column(meta, guard, steps, column, count, lane, rows_are_lanes=Fals
     a whole batch once (the with-form's block lookup and renaming); then
     ``fn(event)`` receives each event.
     """
-    deliver, path, top, total, kind = meta.deliver, meta.path, meta.top, meta.total, meta.kind
-    resolve = getattr(deliver, "resolve", None)
-    if resolve is not None:
+    target = _resolve(meta, guard)
+    if target is None:
+        return
+    deliver, path = target
+    total, kind = meta.total, meta.kind
+    columns = getattr(deliver, "columns", None)
+    if columns is not None and not rows_are_lanes:  # the consumers take columns: no objects
         try:
-            target = resolve(path, kind, top)
+            columns(TapBlock(path, kind, total, lane, np.array(steps[:count]),
+                             np.array(column[:count])))
         except Exception as exc:  # noqa: BLE001 - totality
             guard.failed(exc)
-            return
-        if target is None:
-            return
-        deliver, path = target
+        return
+    if isinstance(steps, np.ndarray):
+        steps = steps.tolist()
     failed = guard.failed
     if isinstance(deliver, Guard):  # a lone on_step: call it directly, guard the whole loop
         deliver, failed = deliver.fn, deliver.failed
@@ -224,6 +229,36 @@ def _deliver_column(meta, guard, steps, column, count, lane, rows_are_lanes=Fals
                 deliver(_tuple_new(TapEvent, (path, step, value, total, kind, ln)))
         except BaseException as exc:  # noqa: BLE001 - totality, as Guard
             failed(exc)
+
+
+def _resolve(meta, guard):
+    """(deliver, path) of a meta's batch: a sink may offer ``resolve(path,
+    kind, top) -> (fn, path) | None`` to route a whole batch once (the
+    with-form's block lookup and renaming). None: drop the batch."""
+    resolve = getattr(meta.deliver, "resolve", None)
+    if resolve is None:
+        return meta.deliver, meta.path
+    try:
+        return resolve(meta.path, meta.kind, meta.top)
+    except Exception as exc:  # noqa: BLE001 - totality
+        guard.failed(exc)
+        return None
+
+
+def _deliver_tree_block(meta, layout, guard, steps, arrays, count, lane) -> bool:
+    """One meta's buffered rows as a TapBlock, when its consumers take
+    columns; False when they want events (the caller delivers rows)."""
+    target = _resolve(meta, guard)
+    if target is None:
+        return True
+    columns = getattr(target[0], "columns", None)
+    if columns is None:
+        return False
+    try:
+        columns(column_block(target[1], meta.kind, meta.total, lane, steps, arrays, layout, count))
+    except Exception as exc:  # noqa: BLE001 - totality
+        guard.failed(exc)
+    return True
 
 
 def _own(x):
@@ -278,7 +313,7 @@ def make_buffer_host(metas, layouts, guard: Guard):
     def host(count, steps, *arrays, lane=None):
         try:
             count = int(np.asarray(count))
-            steps = np.asarray(steps)[:count].tolist()
+            steps = np.asarray(steps)[:count]
             arrays = [np.asarray(a) for a in arrays]  # one host view per buffer per hop
         except Exception as exc:  # noqa: BLE001
             guard.failed(exc)
@@ -286,6 +321,10 @@ def make_buffer_host(metas, layouts, guard: Guard):
         if len(metas) == 1 and _is_column(metas[0], layouts[0]):
             _deliver_column(metas[0], guard, steps, arrays[0], count, lane)  # the common case: a tight loop
             return
+        if len(metas) == 1 and not isinstance(metas[0], Block) and not metas[0].gated:
+            if _deliver_tree_block(metas[0], layouts[0], guard, steps, arrays, count, lane):
+                return
+        steps = steps.tolist()
         for row in range(count):
             _deliver_row(metas, layouts, guard, steps[row], arrays, row, lane)
 

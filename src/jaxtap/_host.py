@@ -191,6 +191,57 @@ class Consumers:
 
 
 def _sink(alert, recorder, consumer):
+    sink = _event_sink(alert, recorder, consumer)
+    columns = _columns_sink(alert, recorder, consumer)
+    if columns is not None:
+        if sink is consumer or sink is _nothing:  # never decorate the user's own callable
+            sink = _forward(sink)
+        sink.columns = columns
+    return sink
+
+
+def _forward(fn):
+    def sink(event, top=None):
+        return fn(event)
+
+    return sink
+
+
+def _columns_sink(alert, recorder, consumer):
+    """``columns(block)`` when every consumer of this sink takes a TapBlock
+    whole (the recorder, an ``on_step`` with ``on_block``); None when one
+    needs events (an alert, a plain ``on_step``)."""
+    if alert is not None or (recorder is None and consumer is None):
+        return None
+    record = None
+    if recorder is not None:
+        appender = getattr(recorder, "_block_appender", None)
+        record = appender() if appender is not None else None
+        if record is None:
+            return None
+    on_block = None
+    if consumer is not None:
+        on_block = getattr(consumer.fn, "on_block", None)
+        if not callable(on_block):
+            return None
+    guard = consumer
+
+    def columns(block):
+        if record is not None:
+            try:
+                record(block)
+            except Exception:  # noqa: BLE001
+                pass
+        if on_block is not None:
+            try:
+                on_block(block)
+            except BaseException as exc:  # noqa: BLE001 - totality, as Guard
+                guard.failed(exc)
+
+    return columns
+
+
+def _event_sink(alert, recorder, consumer):
     if alert is None and recorder is None:
         return consumer if consumer is not None else _nothing
     record = None

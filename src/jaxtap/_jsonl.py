@@ -63,6 +63,15 @@ def _flat_columns(value) -> dict:
     return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in row.items()}
 
 
+def _line(event) -> str:
+    record = {"path": event.path, "step": event.step, "total": event.total, "kind": event.kind}
+    if event.lane is not None:
+        record["lane"] = event.lane
+    record.update({k: v for k, v in _flat_columns(event.value).items() if k not in record})
+    record["__value__"] = _encode(event.value)
+    return json.dumps(record, default=repr, allow_nan=True) + "\n"
+
+
 class JSONLWriter:
     """Streams events to a JSON-lines file, one object per event, flushed per line.
 
@@ -111,18 +120,21 @@ class JSONLWriter:
                           "the file keeps the events written so far, later events are dropped.")
 
     def __call__(self, event: TapEvent) -> None:
+        self._write([event])
+
+    def on_block(self, block) -> None:
+        """A buffered block of events (:class:`jaxtap.TapBlock`): every line
+        in one write, flushed once (a crash keeps what was streamed)."""
+        self._write(block.events())
+
+    def _write(self, events) -> None:
         if self._fh is None:
             return
         try:
-            record = {"path": event.path, "step": event.step, "total": event.total, "kind": event.kind}
-            if event.lane is not None:
-                record["lane"] = event.lane
-            record.update({k: v for k, v in _flat_columns(event.value).items() if k not in record})
-            record["__value__"] = _encode(event.value)
-            line = json.dumps(record, default=repr, allow_nan=True) + "\n"
+            text = "".join(_line(e) for e in events)
             with self._lock:
                 if self._fh is not None:
-                    self._fh.write(line)
+                    self._fh.write(text)
                     self._fh.flush()
         except Exception as exc:  # noqa: BLE001 - full disk, closed file, ...
             with self._lock:

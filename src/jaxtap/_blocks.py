@@ -1,0 +1,130 @@
+"""Columnar delivery: a buffered hop's rows as columns (:class:`TapBlock`).
+
+A buffered loop ships K steps in one host hop. When every consumer of a
+loop's events can take them as columns (the recorder, ``JSONLWriter``, the
+CLI, an ``on_step`` with an ``on_block`` method), the hop hands over one
+``TapBlock`` instead of K ``TapEvent`` objects: the step numbers as one
+array and each value leaf as one array whose first axis is the row. Objects
+are built only when someone asks (``FlightRecorder.events``,
+``TapBlock.events()``), with the same contents and order as per-event
+delivery.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import jax
+import numpy as np
+
+from ._event import TapEvent, make_event
+
+
+class TapBlock:
+    """Consecutive events of one address, as columns.
+
+    Attributes
+    ----------
+    path, kind, total, lane
+        As on every :class:`TapEvent` of the block.
+    steps : numpy.ndarray
+        The events' ``step`` values (int), in delivery order.
+    values
+        The events' ``value`` with every array leaf stacked along a new
+        first axis (one row per event): what ``select`` returned, as columns.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> b = TapBlock("scan[0]", "carry", 3, None, np.arange(3), np.array([0.5, 1.5, 2.5], np.float32))
+    >>> len(b), b.events()[1]
+    (3, TapEvent(path='scan[0]', step=1, value=np.float32(1.5), total=3, kind='carry'))
+    """
+
+    __slots__ = ("path", "kind", "total", "lane", "steps", "_leaves", "_treedef", "_static", "_count")
+
+    def __init__(self, path, kind, total, lane, steps, values=None, *, leaves=None, treedef=None, static=None,
+                 count=None):
+        self.path, self.kind, self.total, self.lane = path, kind, total, lane
+        self.steps = np.asarray(steps)
+        if leaves is None:  # a bare column
+            leaves, treedef, static, count = [values], None, {}, 1
+        self._leaves, self._treedef, self._static, self._count = leaves, treedef, static or {}, count
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __repr__(self) -> str:
+        return f"TapBlock(path={self.path!r}, kind={self.kind!r}, {len(self)} events)"
+
+    @property
+    def values(self) -> Any:
+        """The value pytree with column leaves (static leaves as they are)."""
+        return self._unflatten(self._leaves)
+
+    def _unflatten(self, arrays):
+        if self._treedef is None:
+            return arrays[0]
+        it = iter(arrays)
+        return jax.tree_util.tree_unflatten(self._treedef, [self._static[i] if i in self._static else next(it)
+                                                            for i in range(self._count)])
+
+    def events(self) -> List[TapEvent]:
+        """The block as TapEvents (what per-event delivery would have given)."""
+        rows = [_rows(c) for c in self._leaves]
+        path, kind, total, lane = self.path, self.kind, self.total, self.lane
+        steps = self.steps.tolist()
+        if self._treedef is None:
+            return [make_event(path, s, v, total, kind, lane) for s, v in zip(steps, rows[0])]
+        return [make_event(path, s, self._unflatten([r[i] for r in rows]), total, kind, lane)
+                for i, s in enumerate(steps)]
+
+    def tail(self, n: int) -> "TapBlock":
+        """The last ``n`` rows (a view)."""
+        cut = len(self) - n
+        return TapBlock(self.path, self.kind, self.total, self.lane, self.steps[cut:],
+                        leaves=[c[cut:] for c in self._leaves], treedef=self._treedef, static=self._static,
+                        count=self._count)
+
+    def nbytes(self) -> int:
+        return int(self.steps.nbytes + sum(c.nbytes for c in self._leaves))
+
+
+def _rows(column: np.ndarray) -> list:
+    """Per-event values of a column: numpy scalars for a 1-d one, small
+    arrays otherwise (each its own copy, as per-event delivery gives)."""
+    if column.ndim == 1:
+        return list(column)
+    return [np.array(r) for r in column]
+
+
+def column_block(path, kind, total, lane, steps, arrays, layout, count) -> Optional[TapBlock]:
+    """The block of one meta's ``count`` buffered rows (host copies)."""
+    steps = np.array(steps[:count])
+    cols = [np.array(a[:count]) for a in arrays]
+    if layout.bare:
+        return TapBlock(path, kind, total, lane, steps, cols[0])
+    return TapBlock(path, kind, total, lane, steps, leaves=cols, treedef=layout.treedef, static=layout.static,
+                    count=layout.count)
+
+
+def frame_columns(block: TapBlock, flatten) -> dict:
+    """``FlightRecorder.df()`` columns of a block, built from its arrays.
+
+    ``flatten(value, name, row, top=True)`` names the value's columns as the
+    per-event frame does; numbers widen as pandas widens Python numbers.
+    """
+    cols: dict = {}
+    flatten(block.values, "value", cols, top=True)
+    out = {}
+    for name, col in cols.items():
+        if isinstance(col, np.ndarray) and col.ndim == 1 and len(col) == len(block):
+            if col.dtype.kind == "f":
+                col = col.astype(np.float64)
+            elif col.dtype.kind in "iu":
+                col = col.astype(np.int64)
+            out[name] = col
+        elif isinstance(col, np.ndarray) and col.ndim > 1 and len(col) == len(block):
+            out[name] = [np.array(r) for r in col]
+        else:  # a static leaf: the same on every row
+            out[name] = [col] * len(block)
+    return out

@@ -1,0 +1,159 @@
+"""Columnar delivery of buffered telemetry: a hop's rows stay columns
+(``TapBlock``) in the recorder, the JSONL writer, the CLI and ``on_block``
+consumers, and become the same TapEvents, in the same order, on demand."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxtap as tap
+
+
+def run(f, *args, **cfg):
+    with tap.record(**cfg) as rec:
+        out = jax.block_until_ready(f(*args))
+    jax.effects_barrier()
+    return out, rec
+
+
+def nested(x):
+    def outer(c, _):
+        c = jax.lax.scan(lambda d, _: (d * 0.5 + 1.0, None), c, None, length=3)[0]
+        c = jax.lax.while_loop(lambda s: s[0] < 2, lambda s: (s[0] + 1, s[1] + 0.25), (0, c))[1]
+        return c, c.sum()
+    return jax.lax.scan(outer, x, None, length=23)
+
+
+SELECTS = {
+    "bare scalar": lambda leaves: leaves[-1].sum(),
+    "bare vector": lambda leaves: leaves[-1],
+    "default (all leaves)": None,
+    "tree with a static leaf": lambda leaves: {"m": leaves[-1].mean(), "tag": "x", "v": leaves[-1][:2]},
+}
+
+
+def as_bits(events):
+    out = []
+    for e in events:
+        leaves = [np.asarray(v) for v in jax.tree_util.tree_leaves(e.value)]
+        out.append((e.path, e.step, e.total, e.kind, e.lane, type(e.step),
+                    tuple((v.dtype.str, v.shape, v.tobytes()) for v in leaves),
+                    tuple(type(v) for v in jax.tree_util.tree_leaves(e.value))))
+    return out
+
+
+@pytest.mark.parametrize("select", SELECTS, ids=list(SELECTS))
+@pytest.mark.parametrize("batched", [False, True], ids=["plain", "vmap"])
+def test_blocks_become_the_events_per_event_delivery_gives(select, batched):
+    f = jax.jit(jax.vmap(nested) if batched else nested)
+    x = jnp.ones((2, 3)) if batched else jnp.ones(3)
+    out0, per_event = run(f, x, select=SELECTS[select], on_step=lambda e: None)  # an on_step needs events
+    out1, columns = run(f, x, select=SELECTS[select], flush_every=7)
+    out2, unbuffered = run(f, x, select=SELECTS[select])
+    assert any(isinstance(i, tap.TapBlock) for i in columns._events)
+    assert len(columns) == len(unbuffered) == len(columns.events)
+    assert as_bits(sorted(columns.events, key=lambda e: (e.path, e.lane or 0))) == \
+        as_bits(sorted(unbuffered.events, key=lambda e: (e.path, e.lane or 0)))
+    for a, b in zip(jax.tree_util.tree_leaves(out1), jax.tree_util.tree_leaves(out2)):
+        assert np.array_equal(a, b)
+
+
+def test_order_across_loops_is_arrival_order():
+    _, blocks = run(jax.jit(nested), jnp.ones(3), select=lambda leaves: leaves[-1].sum(), flush_every=5)
+    _, events = run(jax.jit(nested), jnp.ones(3), select=lambda leaves: leaves[-1].sum(), flush_every=5,
+                    on_step=lambda e: None)
+    assert as_bits(blocks.events) == as_bits(events.events)
+
+
+def test_df_from_columns_equals_df_from_events():
+    pd = pytest.importorskip("pandas")
+    sel = SELECTS["tree with a static leaf"]
+    _, blocks = run(jax.jit(nested), jnp.ones(3), select=sel, flush_every=4)
+    _, events = run(jax.jit(nested), jnp.ones(3), select=sel, flush_every=4, on_step=lambda e: None)
+    a, b = blocks.df(kind=True, total=True), events.df(kind=True, total=True)
+    assert list(a.columns) == list(b.columns)
+    assert a.drop(columns=["v"]).equals(b.drop(columns=["v"]))
+    assert all(np.array_equal(x, y) for x, y in zip(a["v"], b["v"]))
+    assert isinstance(a, pd.DataFrame) and len(a) == len(blocks)
+
+
+def test_a_bounded_recorder_keeps_the_last_events():
+    f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=250)[0])
+    with tap.record(select=lambda leaves: leaves[0], flush_every=100, maxlen=30) as rec:
+        f(jnp.float32(0))
+    assert [e.step for e in rec.events] == list(range(220, 250)) and len(rec) == 30
+
+
+def test_on_block_consumers_get_columns_and_jsonl_writes_the_same_lines(tmp_path):
+    f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=250)[0])
+    blocks = []
+
+    class Plot:  # a live plot would draw each block's columns
+        def on_block(self, block):
+            blocks.append((block.path, block.steps.copy(), np.array(block.values)))
+
+        def __call__(self, event):
+            raise AssertionError("events are not needed")
+
+    with tap.record(select=lambda leaves: leaves[0], flush_every=100, on_step=Plot()) as rec:
+        f(jnp.float32(0))
+    assert [len(s) for _, s, _ in blocks] == [100, 100, 50]
+    assert np.array_equal(np.concatenate([v for *_, v in blocks]), np.arange(1.0, 251.0, dtype=np.float32))
+    assert len(rec) == 250
+    per_block, per_event = tmp_path / "b.jsonl", tmp_path / "e.jsonl"
+    with tap.JSONLWriter(per_block) as w:
+        with tap.record(select=lambda leaves: leaves[0], flush_every=100, on_step=w):
+            f(jnp.float32(0))
+    with tap.JSONLWriter(per_event) as w:
+        with tap.record(select=lambda leaves: leaves[0], flush_every=100, on_step=lambda e: w(e)):
+            f(jnp.float32(0))
+    assert per_block.read_text() == per_event.read_text()
+    assert len(per_block.read_text().splitlines()) == 250
+
+
+def test_a_raising_on_block_warns_once_and_the_recorder_keeps_everything():
+    class Bad:
+        def on_block(self, block):
+            raise RuntimeError("plot broke")
+
+        def __call__(self, event):
+            pass
+
+    f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=50)[0])
+    with pytest.warns(tap.TapWarning, match="plot broke"):
+        out, rec = run(f, jnp.float32(0), select=lambda leaves: leaves[0], flush_every=10, on_step=Bad())
+    assert float(out) == 50.0 and len(rec) == 50
+
+
+def test_an_alert_gets_events():
+    seen = []
+    f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=20)[0])
+    _, rec = run(f, jnp.float32(0), select=lambda leaves: leaves[0], flush_every=10,
+                 alert=lambda e: seen.append(e.step) or False)
+    assert seen == list(range(20)) and not any(isinstance(i, tap.TapBlock) for i in rec._events)
+
+
+def test_a_million_buffered_scalar_events_take_a_few_megabytes():
+    f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=1_000_000)[0])
+    _, rec = run(f, jnp.float32(0), select=lambda leaves: leaves[0], flush_every=10_000)
+    blocks = [i for i in rec._events if isinstance(i, tap.TapBlock)]
+    assert len(rec) == 1_000_000 and len(blocks) == 100
+    assert sum(b.nbytes() for b in blocks) <= 8 * 1_000_000  # int32 step + float32 value per event
+
+
+def test_cli_counts_blocks(tmp_path):
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "s.py"
+    script.write_text("import jax, jax.numpy as jnp\n"
+                      "print(float(jax.lax.scan(lambda c, _: (c + 1.0, None), jnp.float32(0), None, length=300)[0]))\n")
+    r = subprocess.run([sys.executable, "-m", "jaxtap", "--flush-every", "100", "--jsonl", "run.jsonl", "s.py"],
+                       cwd=tmp_path, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "300.0"
+    lines = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    assert [d["step"] for d in lines] == list(range(300))

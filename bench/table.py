@@ -32,6 +32,12 @@ LABELS = {
     "vmap 8 lanes, verbose select=leaf": "`vmap`, 8 lanes, select one leaf",
     "1 lane, verbose select=leaf": "1 lane, select one leaf",
     "vmap 8 lanes, buffered flush_every=100": "`vmap`, 8 lanes, buffered `flush_every=100` (8 events a step)",
+    "buffered K=100, recorder only (columns)": "buffered `flush_every=100`, recorder only (columns)",
+    "buffered K=100, JSONLWriter": "buffered `flush_every=100`, `JSONLWriter` (block writes)",
+    "buffered K=100, on_block consumer": "buffered `flush_every=100`, an `on_block` consumer",
+    "buffered K=1000, recorder only (columns)": "buffered `flush_every=1000`, recorder only (columns)",
+    "buffered K=1000, JSONLWriter": "buffered `flush_every=1000`, `JSONLWriter` (block writes)",
+    "buffered K=1000, on_block consumer": "buffered `flush_every=1000`, an `on_block` consumer",
     "grad, bare": "`grad` through the scan, bare",
     "grad, buffered flush_every=100": "`grad` through the scan, buffered `flush_every=100`",
 }

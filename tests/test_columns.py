@@ -113,6 +113,23 @@ def test_on_block_consumers_get_columns_and_jsonl_writes_the_same_lines(tmp_path
     assert len(per_block.read_text().splitlines()) == 250
 
 
+@pytest.mark.parametrize("select", [lambda leaves: leaves[0].astype(jnp.int32),
+                                    lambda leaves: jnp.where(leaves[0] > 3, jnp.nan, leaves[0]),
+                                    lambda leaves: jnp.stack([leaves[0], -leaves[0]])],
+                         ids=["int", "with NaN", "vector"])
+def test_jsonl_lines_of_any_block_equal_per_event_lines(select, tmp_path):
+    f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=30)[0])
+    texts = []
+    for name, wrap in (("b", lambda w: w), ("e", lambda w: (lambda e: w(e)))):
+        path = tmp_path / f"{name}.jsonl"
+        with tap.JSONLWriter(path) as w:
+            with tap.record(select=select, flush_every=8, on_step=wrap(w)):
+                f(jnp.float32(0))
+        texts.append(path.read_text())
+    assert texts[0] == texts[1] and len(texts[0].splitlines()) == 30
+    assert [e.step for e in tap.read_jsonl(tmp_path / "b.jsonl")] == list(range(30))
+
+
 def test_a_raising_on_block_warns_once_and_the_recorder_keeps_everything():
     class Bad:
         def on_block(self, block):

@@ -180,15 +180,24 @@ class FlightRecorder:
                 'FlightRecorder.df() needs pandas: pip install "jax-tap[pandas]"'
             ) from None
         base = ["path", "step"] + (["kind"] if kind else []) + (["total"] if total else [])
-        frames, rows = [], []
+        frames, rows, run = [], [], []  # run: consecutive blocks' columns with the same names
         for item in list(self._events):
             if not isinstance(item, TapBlock):
+                if run:
+                    frames.append(_frame_of(pd, run))
+                    run = []
                 rows.append(_row(item, kind, total))
                 continue
             if rows:
                 frames.append(pd.DataFrame(rows))
                 rows = []
-            frames.append(pd.DataFrame(_block_columns(item, kind, total)))  # columns as they came
+            cols = _block_columns(item, kind, total)  # columns as they came
+            if run and list(run[-1]) != list(cols):
+                frames.append(_frame_of(pd, run))
+                run = []
+            run.append(cols)
+        if run:
+            frames.append(_frame_of(pd, run))
         if rows or not frames:
             frames.append(pd.DataFrame(rows, columns=None if rows else base))
         if len(frames) == 1:
@@ -209,6 +218,18 @@ def _row(e, kind, total):
         row["total"] = e.total
     _flatten_value(e.value, "value", row, top=True)
     return row
+
+
+def _frame_of(pd, run):
+    """One DataFrame of consecutive blocks' columns (same names)."""
+    if len(run) == 1:
+        return pd.DataFrame(run[0])
+    out = {}
+    for name in run[0]:
+        parts = [cols[name] for cols in run]
+        out[name] = (np.concatenate(parts) if all(isinstance(p, np.ndarray) for p in parts)
+                     else [x for p in parts for x in p])
+    return pd.DataFrame(out)
 
 
 def _block_columns(block, kind, total):

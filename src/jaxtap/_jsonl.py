@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, List
 import numpy as np
 
 from ._collectors import _flatten_value
-from ._event import KINDS, TapEvent
+from ._event import KINDS, TapEvent, make_event
 from ._host import TapWarning, warn_once_now
 
 _ERRORS = ("raise", "skip")
@@ -70,6 +70,30 @@ def _line(event) -> str:
     record.update({k: v for k, v in _flat_columns(event.value).items() if k not in record})
     record["__value__"] = _encode(event.value)
     return json.dumps(record, default=repr, allow_nan=True) + "\n"
+
+
+_STEP_MARK = -918273645  # sentinels of a line template (see _block_text)
+_VALUE_MARKS = {"f": 0.123456789, "i": 12345678}
+
+
+def _block_text(block):
+    """Every line of a block of finite float / int scalars, from one template
+    line (the very line :func:`_line` writes, with marked step and value);
+    None when the block is not such a block."""
+    col = block.values
+    if not isinstance(col, np.ndarray) or col.ndim != 1 or col.dtype.kind not in "fi" or col.dtype.itemsize < 4:
+        return None
+    if col.dtype.kind == "f" and not np.isfinite(col).all():
+        return None
+    mark = col.dtype.type(_VALUE_MARKS[col.dtype.kind])
+    template = _line(make_event(block.path, _STEP_MARK, mark, block.total, block.kind, block.lane))
+    value_text = repr(mark.item())
+    head, sep, rest = template.partition(str(_STEP_MARK))
+    parts = rest.split(value_text)
+    if not sep or len(parts) != 3 or str(_STEP_MARK) in rest or value_text in head:
+        return None
+    mid, between, tail = parts
+    return "".join([f"{head}{s}{mid}{v!r}{between}{v!r}{tail}" for s, v in zip(block.steps.tolist(), col.tolist())])
 
 
 class JSONLWriter:
@@ -125,13 +149,23 @@ class JSONLWriter:
     def on_block(self, block) -> None:
         """A buffered block of events (:class:`jaxtap.TapBlock`): every line
         in one write, flushed once (a crash keeps what was streamed)."""
-        self._write(block.events())
-
-    def _write(self, events) -> None:
         if self._fh is None:
             return
         try:
-            text = "".join(_line(e) for e in events)
+            text = _block_text(block)
+        except Exception:  # noqa: BLE001 - the general path below decides
+            text = None
+        if text is None:
+            self._write(block.events())
+        else:
+            self._write((), text)
+
+    def _write(self, events, text=None) -> None:
+        if self._fh is None:
+            return
+        try:
+            if text is None:
+                text = "".join(_line(e) for e in events)
             with self._lock:
                 if self._fh is not None:
                     self._fh.write(text)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from typing import Iterator, List, Optional
 
@@ -86,11 +87,12 @@ class FlightRecorder:
             if self._times is not None:
                 self._times.extend([now] * len(rows))
             return
-        self._events.append(block)
-        self._blocks += 1
-        self._extra += len(block) - 1
-        if self._times is not None:
-            self._times.append(now)
+        with _BLOCK_LOCK:  # callbacks of several devices may deliver at once
+            self._events.append(block)
+            self._blocks += 1
+            self._extra += len(block) - 1
+            if self._times is not None:
+                self._times.append(now)
 
     def on_block(self, block: TapBlock) -> None:
         """As an ``on_step``, a recorder takes buffered blocks whole too."""
@@ -208,6 +210,9 @@ class FlightRecorder:
             if any(t is None for t in totals) and not all(t is None for t in totals):
                 df["total"] = pd.to_numeric(df["total"]).astype("float64")
         return df
+
+
+_BLOCK_LOCK = threading.Lock()
 
 
 def _row(e, kind, total):

@@ -47,6 +47,7 @@ def test_a_new_shape_compiles_once_more_and_names_the_argument():
         assert all(isinstance(v[k], float) and v[k] >= 0 for k in ("trace_s", "lower_s", "compile_s"))
         assert v["cache"] in ("off", "hit", "miss")
         assert v["eqns"] == 2  # sin, mul
+        assert v["cost"] is None or v["cost"]["transcendentals"] == {0: 4.0, 1: 8.0}[e.step]  # XLA's count
 
 
 def test_a_python_float_then_a_float32_names_the_weak_type():
@@ -193,18 +194,18 @@ def test_wrapped_functions_report_the_jits_they_call():
 
 
 def test_listeners_and_patches_are_removed_one_by_one_also_on_errors():
-    from jax._src import monitoring, pjit
+    from jax._src import compiler, monitoring, pjit
     mine = lambda *a, **k: None  # noqa: E731 - someone else's listener stays
     jax.monitoring.register_event_listener(mine)
     before = (list(monitoring._event_listeners), list(monitoring._event_time_span_listeners),
-              pjit._infer_params)
+              pjit._infer_params, compiler.compile_or_get_cached)
     try:
         with pytest.raises(RuntimeError, match="boom"):
             with tap.record(jit_events=True, trace_events=True):
                 jax.jit(g)(jnp.ones(2))
                 raise RuntimeError("boom")
         after = (list(monitoring._event_listeners), list(monitoring._event_time_span_listeners),
-                 pjit._infer_params)
+                 pjit._infer_params, compiler.compile_or_get_cached)
         assert after == before
         from jax._src.lax.control_flow import loops
         assert not getattr(loops._promote_weak_typed_input, "__name__", "") == "_promote"

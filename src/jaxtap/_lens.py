@@ -337,7 +337,7 @@ def _sync_patches():
             _PATCHED.add(prim)
     times = [t for t in (getattr(c, "_times", None) for c in _REGISTRY.active()) if t is not None]
     if any(t.jit_events for t in times):
-        _seam.monitor.watch_jit(_on_jit_call, _on_span, _on_cache_event)
+        _seam.monitor.watch_jit(_on_jit_call, _on_span, _on_cache_event, _on_executable)
     else:
         _seam.monitor.watch_jit(None, None, None)
     _seam.monitor.watch_promotions(_on_promotion if any(t.trace_events for t in times) else None)
@@ -362,6 +362,12 @@ def _on_span(event, start, end, fun_name):
     times = _times_here(jit=True)
     if times is not None:
         times.on_span(event, start, end, fun_name)
+
+
+def _on_executable(executable):
+    times = _times_here(jit=True)
+    if times is not None:
+        times.on_executable(executable)
 
 
 def _on_cache_event(event):

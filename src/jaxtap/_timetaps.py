@@ -38,11 +38,11 @@ _PHASES = {_seam.monitor.TRACE_SPAN: "trace", _seam.monitor.LOWER_SPAN: "lower",
 class _Call:
     """One jitted function being traced, lowered and compiled."""
 
-    __slots__ = ("path", "signature", "fun_id", "jaxpr", "spans", "cache", "transformed")
+    __slots__ = ("path", "signature", "fun_id", "jaxpr", "spans", "cache", "transformed", "cost")
 
     def __init__(self, path, signature, fun_id, transformed=False):
         self.path, self.signature, self.fun_id, self.transformed = path, signature, fun_id, transformed
-        self.jaxpr, self.spans, self.cache = None, {}, "off"
+        self.jaxpr, self.spans, self.cache, self.cost = None, {}, "off", None
 
 
 _MAX_PENDING = 64  # calls per thread awaiting their compilation (most recent kept)
@@ -116,6 +116,9 @@ class TimeTaps:
         phase = _PHASES.get(event)
         if phase is None or not isinstance(fun_name, str):
             return
+        executable = None
+        if phase == "compile":  # the executable compiled inside this span (never kept longer)
+            executable, self._local.cost = getattr(self._local, "cost", None), None
         m = _MODULE.match(fun_name) if phase != "trace" else None
         name = m.group("name") if m else fun_name
         pending = self._pending()
@@ -131,11 +134,17 @@ class TimeTaps:
         with self._lock:
             self.spans.append((threading.get_ident(), call.path, phase, start, end))
         if phase == "compile":
+            call.cost = None if executable is None else _seam.monitor.cost_analysis(executable)
             if pending.get(name) is call and not call.transformed:
                 del pending[name]  # (a transformed call may compile several programs: grad's)
             self._compiled(call)
             call.spans = {}
         self._local.last = call
+
+    def on_executable(self, executable):
+        """A program just compiled (its compile span ends next): keep what
+        XLA's cost analysis says, for the compile event."""
+        self._local.cost = executable
 
     def on_event(self, event):
         call = getattr(self._local, "last", None)
@@ -168,6 +177,8 @@ class TimeTaps:
             "reason": reason,
             "signature": "" if call.signature is None else ", ".join(f"{k}: {v}" for k, v, _ in call.signature[0]),
             "eqns": None if jaxpr is None else _seam.monitor.count_eqns(jaxpr),
+            # XLA's cost analysis: flops, transcendentals, bytes accessed (None: the backend gives none)
+            "cost": call.cost,
             "start": min(a for a, _ in spans.values()),
         }
         event = TapEvent(call.path, n, value, total=None, kind="compile")

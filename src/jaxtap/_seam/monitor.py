@@ -22,6 +22,7 @@ __all__ = [
     "CACHE_HIT",
     "CACHE_MISS",
     "watch_jit",
+    "cost_analysis",
     "watch_promotions",
     "jit_function_site",
     "span_name",
@@ -37,6 +38,7 @@ _pjit = internal("jax._src.pjit")
 _monitoring = internal("jax._src.monitoring")
 _dispatch = internal("jax._src.dispatch")
 _loops = internal("jax._src.lax.control_flow.loops")
+_compiler = internal("jax._src.compiler")
 _core = internal("jax._src.core")
 _config = internal("jax._src.config")
 _source_info = internal("jax._src.source_info_util")
@@ -52,9 +54,10 @@ _CALLBACKS = frozenset({"debug_callback", "io_callback", "pure_callback", "callb
 
 class _Hooks:
     lock = threading.Lock()
-    jit = None  # (on_call, on_span, on_event) while watched
+    jit = None  # (on_call, on_span, on_event, on_executable) while watched
     promote = None  # on_promote(n_promoted) while watched
     orig_infer = None
+    orig_compile = None
     orig_promote = None
 
 
@@ -75,6 +78,34 @@ def _infer_params(fun, ji, args, kwargs):
     return out
 
 
+def _compile_or_get_cached(*args, **kwargs):
+    executable = _Hooks.orig_compile(*args, **kwargs)
+    hooks = _Hooks.jit
+    if hooks is not None:
+        try:
+            hooks[3](executable)  # inside the compile span: the span's end comes after
+        except Exception:  # noqa: BLE001
+            pass
+    return executable
+
+
+_compile_or_get_cached.__jaxtap_patch__ = True
+
+
+def cost_analysis(executable):
+    """XLA's cost analysis of a compiled executable (flops, bytes accessed),
+    or None where the backend gives none."""
+    try:
+        cost = executable.cost_analysis()
+        if isinstance(cost, (list, tuple)):
+            cost = cost[0] if cost else None
+        if not cost:
+            return None
+        return {k: float(cost[k]) for k in ("flops", "transcendentals", "bytes accessed") if k in cost}
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def _span(event, start, end, **kwargs):
     hooks = _Hooks.jit
     if hooks is not None:
@@ -87,9 +118,10 @@ def _event(event, **kwargs):
         hooks[2](event)
 
 
-def watch_jit(on_call, on_span, on_event) -> bool:
-    """Observe top-level jit calls and compile spans (None: stop). False
-    when this JAX lacks what it takes (nothing is installed then)."""
+def watch_jit(on_call, on_span, on_event, on_executable=None) -> bool:
+    """Observe jit calls, compile spans and compiled executables (None:
+    stop). False when this JAX lacks what it takes (nothing is installed
+    then)."""
     if _pjit is None or _monitoring is None or not hasattr(_pjit, "_infer_params"):
         return False
     with _Hooks.lock:
@@ -98,6 +130,8 @@ def watch_jit(on_call, on_span, on_event) -> bool:
                 _Hooks.jit = None
                 if getattr(_pjit._infer_params, "__jaxtap_patch__", False):
                     _pjit._infer_params = _Hooks.orig_infer
+                if _compiler is not None and getattr(_compiler.compile_or_get_cached, "__jaxtap_patch__", False):
+                    _compiler.compile_or_get_cached = _Hooks.orig_compile
                 for registry, fn in ((_monitoring._event_time_span_listeners, _span),
                                      (_monitoring._event_listeners, _event)):
                     while fn in registry:
@@ -106,9 +140,12 @@ def watch_jit(on_call, on_span, on_event) -> bool:
         if _Hooks.jit is None:
             _Hooks.orig_infer = _pjit._infer_params
             _pjit._infer_params = _infer_params
+            if _compiler is not None and hasattr(_compiler, "compile_or_get_cached"):
+                _Hooks.orig_compile = _compiler.compile_or_get_cached
+                _compiler.compile_or_get_cached = _compile_or_get_cached
             _monitoring.register_event_time_span_listener(_span)
             _monitoring.register_event_listener(_event)
-        _Hooks.jit = (on_call, on_span, on_event)
+        _Hooks.jit = (on_call, on_span, on_event, on_executable or (lambda exe: None))
         return True
 
 

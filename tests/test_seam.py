@@ -343,3 +343,36 @@ def test_both_forms_run_untapped_on_a_jax_without_the_jit_key_state(monkeypatch)
     assert float(out_v) == float(out_w) == 3.375 and seen == [] and len(rec) == 0
     assert len(said) == 2 and all("lacks the jit-key state" in m and "untapped" in m for m in said)
     assert "f runs untapped" in said[0] and "the block runs untapped" in said[1]
+
+
+def test_compile_time_signals_the_monitor_reads():
+    """What jit-event and trace-time taps read: the top-level jit call, the
+    compile entry point, the span names (``f``; ``jit(f)``), the cache
+    events and the weak-type promotion of loop carries."""
+    import inspect
+
+    from jax._src import compiler, dispatch, monitoring, pjit
+    from jax._src.lax.control_flow import loops
+
+    assert list(inspect.signature(pjit._infer_params).parameters)[:4] == ["fun", "ji", "args", "kwargs"]
+    assert callable(compiler.compile_or_get_cached)
+    for name in ("JAXPR_TRACE_EVENT", "JAXPR_TO_MLIR_MODULE_EVENT", "BACKEND_COMPILE_EVENT"):
+        assert getattr(dispatch, name) in (_seam.monitor.TRACE_SPAN, _seam.monitor.LOWER_SPAN,
+                                           _seam.monitor.COMPILE_SPAN)
+    assert isinstance(monitoring._event_time_span_listeners, list) and isinstance(monitoring._event_listeners, list)
+    assert list(inspect.signature(loops._promote_weak_typed_input).parameters) == ["in_val", "in_aval", "out_aval"]
+    seen = []
+
+    def span(event, start, end, **kw):
+        seen.append((event, kw.get("fun_name")))
+
+    monitoring.register_event_time_span_listener(span)
+    try:
+        def seam_probe(x):
+            return x * 3.0
+
+        jax.jit(seam_probe)(jnp.ones(3))
+    finally:
+        monitoring._event_time_span_listeners.remove(span)
+    assert (_seam.monitor.TRACE_SPAN, "seam_probe") in seen
+    assert (_seam.monitor.COMPILE_SPAN, "jit(seam_probe)") in seen

@@ -174,3 +174,89 @@ def test_cli_counts_blocks(tmp_path):
     assert r.stdout.strip() == "300.0"
     lines = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
     assert [d["step"] for d in lines] == list(range(300))
+
+
+def test_only_a_class_defined_on_block_opts_in():
+    from unittest import mock
+
+    class EvenSteps(tap.FlightRecorder):  # changes __call__ only: still wants events
+        def __call__(self, event):
+            if event.step % 2 == 0:
+                super().__call__(event)
+
+    f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=10)[0])
+    m, even = mock.Mock(), EvenSteps()
+    for consumer in (m, even):
+        run(f, jnp.float32(0), select=lambda leaves: leaves[0], flush_every=5, on_step=consumer)
+    assert m.call_count == 10 and m.on_block.call_count == 0
+    assert [e.step for e in even.events] == [0, 2, 4, 6, 8]
+
+
+@pytest.mark.parametrize("select", [
+    lambda leaves: leaves[0].astype(jnp.bfloat16),
+    lambda leaves: leaves[0].astype(jnp.complex64),
+    lambda leaves: {"step": leaves[0] * 10, "kind": leaves[0] * 2},
+    lambda leaves: Point(leaves[0]),
+], ids=["bfloat16", "complex64", "keys named like columns", "custom pytree"])
+def test_df_of_blocks_types_its_columns_as_rows_do(select):
+    pytest.importorskip("pandas")
+    f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=6)[0])
+    _, blocks = run(f, jnp.float32(0), select=select, flush_every=3)
+    _, events = run(f, jnp.float32(0), select=select, flush_every=3, on_step=lambda e: None)
+    a, b = blocks.df(kind=True), events.df(kind=True)
+    assert list(a.columns) == list(b.columns) and list(a.dtypes) == list(b.dtypes)
+    assert a.astype(str).equals(b.astype(str))
+
+
+def test_df_keeps_bools_beside_numbers_as_objects():
+    pytest.importorskip("pandas")
+
+    def two(x):
+        b = jax.lax.scan(lambda c, _: (~c, None), x > 0, None, length=4)[0]
+        i = jax.lax.scan(lambda c, _: (c + 1, None), jnp.int32(5), None, length=4)[0]
+        return b, i
+
+    _, blocks = run(jax.jit(two), jnp.float32(1), select=lambda leaves: leaves[0], flush_every=2)
+    _, events = run(jax.jit(two), jnp.float32(1), select=lambda leaves: leaves[0], flush_every=2,
+                    on_step=lambda e: None)
+    assert blocks.df()["value"].tolist() == events.df()["value"].tolist() == [False, True, False, True, 6, 7, 8, 9]
+    assert blocks.df()["value"].dtype == events.df()["value"].dtype == object
+
+
+def test_no_empty_blocks_and_blocks_are_read_only():
+    got = []
+
+    class Plot:
+        def on_block(self, block):
+            got.append((block.lane, len(block)))
+            block.values[0] = 99.0  # a consumer may not rewrite what others see
+
+        def __call__(self, event):
+            pass
+
+    def count(n):
+        return jax.lax.while_loop(lambda s: s[0] < n, lambda s: (s[0] + 1, s[1] + 1.0), (0, 0.0))[1]
+
+    with pytest.warns(tap.TapWarning, match="read-only"):
+        _, rec = run(jax.jit(jax.vmap(count)), jnp.array([0, 3, 5]), select=lambda leaves: leaves[1],
+                     flush_every=4, on_step=Plot())
+    assert all(n > 0 for _, n in got) and {lane for lane, _ in got} == {1, 2}
+    assert sorted((e.lane, e.step, float(e.value)) for e in rec.events) == \
+        [(1, s, s + 1.0) for s in range(3)] + [(2, s, s + 1.0) for s in range(5)]
+
+
+def test_assigning_events_keeps_a_running_block_recording():
+    f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=10)[0])
+    for cfg in ({}, {"flush_every": 5}):
+        with tap.record(select=lambda leaves: leaves[0], **cfg) as rec:
+            f(jnp.float32(0))
+            jax.effects_barrier()
+            rec.events = []
+            f(jnp.float32(0))
+        assert len(rec) == len(rec.events) == 10
+
+
+@jax.tree_util.register_dataclass
+@__import__("dataclasses").dataclass
+class Point:
+    x: jax.Array

@@ -40,15 +40,17 @@ class TapBlock:
     (3, TapEvent(path='scan[0]', step=1, value=np.float32(1.5), total=3, kind='carry'))
     """
 
-    __slots__ = ("path", "kind", "total", "lane", "steps", "_leaves", "_treedef", "_static", "_count")
+    __slots__ = ("path", "kind", "total", "lane", "steps", "_leaves", "_treedef", "_static", "_count", "_events")
 
     def __init__(self, path, kind, total, lane, steps, values=None, *, leaves=None, treedef=None, static=None,
                  count=None):
         self.path, self.kind, self.total, self.lane = path, kind, total, lane
-        self.steps = np.asarray(steps)
+        self.steps = _frozen(np.asarray(steps))
         if leaves is None:  # a bare column
             leaves, treedef, static, count = [values], None, {}, 1
+        leaves = [_frozen(np.asarray(c)) for c in leaves]  # shared by every consumer: read-only
         self._leaves, self._treedef, self._static, self._count = leaves, treedef, static or {}, count
+        self._events = None
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -69,7 +71,16 @@ class TapBlock:
                                                             for i in range(self._count)])
 
     def events(self) -> List[TapEvent]:
-        """The block as TapEvents (what per-event delivery would have given)."""
+        """The block as TapEvents (what per-event delivery would have given;
+        built once, then kept)."""
+        return list(self._materialized())
+
+    def _materialized(self) -> List[TapEvent]:
+        if self._events is None:
+            self._events = self._build()
+        return self._events
+
+    def _build(self) -> List[TapEvent]:
         rows = [_rows(c) for c in self._leaves]
         path, kind, total, lane = self.path, self.kind, self.total, self.lane
         steps = self.steps.tolist()
@@ -87,6 +98,13 @@ class TapBlock:
 
     def nbytes(self) -> int:
         return int(self.steps.nbytes + sum(c.nbytes for c in self._leaves))
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
 
 
 def _rows(column: np.ndarray) -> list:
@@ -107,24 +125,39 @@ def column_block(path, kind, total, lane, steps, arrays, layout, count) -> Optio
                     count=layout.count)
 
 
-def frame_columns(block: TapBlock, flatten) -> dict:
-    """``FlightRecorder.df()`` columns of a block, built from its arrays.
+def frame_columns(block: TapBlock, flatten) -> Optional[dict]:
+    """``FlightRecorder.df()`` columns of a block, built from its arrays;
+    None when only its events can say (a custom pytree node in the value).
 
     ``flatten(value, name, row, top=True)`` names the value's columns as the
     per-event frame does; numbers widen as pandas widens Python numbers.
     """
     cols: dict = {}
     flatten(block.values, "value", cols, top=True)
-    out = {}
+    statics = list(block._static.values())
+    out, n = {}, len(block)
     for name, col in cols.items():
-        if isinstance(col, np.ndarray) and col.ndim == 1 and len(col) == len(block):
-            if col.dtype.kind == "f":
-                col = col.astype(np.float64)
-            elif col.dtype.kind in "iu":
-                col = col.astype(np.int64)
-            out[name] = col
-        elif isinstance(col, np.ndarray) and col.ndim > 1 and len(col) == len(block):
-            out[name] = [np.array(r) for r in col]
-        else:  # a static leaf: the same on every row
-            out[name] = [col] * len(block)
+        if isinstance(col, np.ndarray) and col.ndim >= 1 and len(col) == n and any(col is c for c in block._leaves):
+            out[name] = _widened(col) if col.ndim == 1 else [np.array(r) for r in col]
+        elif any(col is v for v in statics) or (not isinstance(col, np.ndarray) and _is_plain(col)):
+            out[name] = [col] * n  # a static leaf: the same on every row
+        else:
+            return None
     return out
+
+
+def _is_plain(x) -> bool:
+    return x is None or isinstance(x, (bool, int, float, complex, str, bytes))
+
+
+def _widened(col: np.ndarray) -> np.ndarray:
+    """A column as pandas types the same numbers given one by one (Python
+    floats, ints, complexes); other dtypes (bool, uint64) as they are."""
+    kind, size = col.dtype.kind, col.dtype.itemsize
+    if kind == "f" or (kind == "V" and size <= 8 and col.dtype.name.startswith(("bfloat", "float"))):
+        return col.astype(np.float64)
+    if kind == "c":
+        return col.astype(np.complex128)
+    if kind == "i" or (kind == "u" and size < 8):
+        return col.astype(np.int64)
+    return col

@@ -47,23 +47,28 @@ class FlightRecorder:
         """The recorded events, oldest first (a list snapshot). Assignable,
         as in jax-tap 0.3.1 (``rec.events = []`` clears the recorder).
         Buffered blocks are kept as columns and become TapEvents here."""
-        items = list(self._events)
-        if not self._blocks:
+        with _BLOCK_LOCK:
+            items, blocks = list(self._events), self._blocks
+        if not blocks:
             return items
         out: list = []
         for item in items:
             if isinstance(item, TapBlock):
-                out.extend(item.events())
+                out.extend(item._materialized())
             else:
                 out.append(item)
         return out
 
     @events.setter
     def events(self, events) -> None:
-        self._events = _store(events, getattr(self._events, "maxlen", None))
-        self._blocks = self._extra = 0
-        if self._times is not None:
-            self._times = _store([None] * len(self._events), getattr(self._events, "maxlen", None))
+        events = list(events)
+        with _BLOCK_LOCK:  # in place: a running block's appender keeps recording here
+            self._events.clear()
+            self._events.extend(events)
+            self._blocks = self._extra = 0
+            if self._times is not None:
+                self._times.clear()
+                self._times.extend([None] * len(self._events))
 
     def keep_times(self) -> None:
         """Also keep each event's arrival time (for :meth:`timeline`)."""
@@ -126,10 +131,11 @@ class FlightRecorder:
 
     def clear(self) -> None:
         """Forget every recorded event."""
-        self._events.clear()
-        self._blocks = self._extra = 0
-        if self._times is not None:
-            self._times.clear()
+        with _BLOCK_LOCK:
+            self._events.clear()
+            self._blocks = self._extra = 0
+            if self._times is not None:
+                self._times.clear()
 
     def timeline(self, path) -> None:
         """Write the recorded run as a Chrome trace-event JSON file (opens in
@@ -143,8 +149,9 @@ class FlightRecorder:
         """
         from ._timeline import write_timeline
         spans = list(self._spans.spans) if self._spans is not None else []
-        items = list(self._events)
-        times = list(self._times) if self._times is not None else [None] * len(items)
+        with _BLOCK_LOCK:
+            items = list(self._events)
+            times = list(self._times) if self._times is not None else [None] * len(items)
         events, stamps = [], []
         for item, t in zip(items, times):
             rows = item.events() if isinstance(item, TapBlock) else [item]
@@ -153,7 +160,8 @@ class FlightRecorder:
         write_timeline(path, events, stamps, spans)
 
     def __len__(self) -> int:
-        return len(self._events) + self._extra
+        with _BLOCK_LOCK:
+            return len(self._events) + self._extra
 
     def __iter__(self) -> Iterator[TapEvent]:
         return iter(self.events)
@@ -183,18 +191,26 @@ class FlightRecorder:
             ) from None
         base = ["path", "step"] + (["kind"] if kind else []) + (["total"] if total else [])
         frames, rows, run = [], [], []  # run: consecutive blocks' columns with the same names
-        for item in list(self._events):
+        with _BLOCK_LOCK:
+            items = list(self._events)
+        for item in items:
             if not isinstance(item, TapBlock):
                 if run:
                     frames.append(_frame_of(pd, run))
                     run = []
                 rows.append(_row(item, kind, total))
                 continue
+            cols = _block_columns(item, kind, total)  # columns as they came
+            if cols is None:
+                if run:
+                    frames.append(_frame_of(pd, run))
+                    run = []
+                rows.extend(_row(e, kind, total) for e in item.events())
+                continue
             if rows:
                 frames.append(pd.DataFrame(rows))
                 rows = []
-            cols = _block_columns(item, kind, total)  # columns as they came
-            if run and list(run[-1]) != list(cols):
+            if run and _signature(run[-1]) != _signature(cols):
                 frames.append(_frame_of(pd, run))
                 run = []
             run.append(cols)
@@ -204,6 +220,13 @@ class FlightRecorder:
             frames.append(pd.DataFrame(rows, columns=None if rows else base))
         if len(frames) == 1:
             return frames[0]
+        kinds: dict = {}
+        for fr in frames:
+            for name, dt in fr.dtypes.items():
+                kinds.setdefault(name, set()).add(getattr(dt, "kind", "O"))
+        mixed = [name for name, k in kinds.items() if "b" in k and len(k) > 1]
+        if mixed:  # bools beside numbers: objects, as one frame of rows keeps them
+            frames = [fr.astype({m: object for m in mixed if m in fr.columns}) for fr in frames]
         df = pd.concat(frames, ignore_index=True)
         if total:  # as one frame of rows infers it: None among ints is NaN
             totals = df["total"].tolist()
@@ -225,6 +248,12 @@ def _row(e, kind, total):
     return row
 
 
+def _signature(cols):
+    """Column names and array dtypes: blocks merge only when both agree
+    (a bool column next to an int one stays apart, as rows keep it)."""
+    return [(k, v.dtype.str if isinstance(v, np.ndarray) else None) for k, v in cols.items()]
+
+
 def _frame_of(pd, run):
     """One DataFrame of consecutive blocks' columns (same names)."""
     if len(run) == 1:
@@ -238,13 +267,17 @@ def _frame_of(pd, run):
 
 
 def _block_columns(block, kind, total):
+    """A block's frame columns, or None: its rows, one by one, decide."""
+    values = frame_columns(block, _flatten_value)
+    if values is None:
+        return None
     n = len(block)
     cols = {"path": [block.path] * n, "step": block.steps.astype(np.int64)}
     if kind:
         cols["kind"] = [block.kind] * n
     if total:
         cols["total"] = [block.total] * n
-    cols.update({k: v for k, v in frame_columns(block, _flatten_value).items() if k not in cols})
+    cols.update(values)  # a value key named like a column wins, as in a row
     return cols
 
 

@@ -198,6 +198,8 @@ def _deliver_column(meta, guard, steps, column, count, lane, rows_are_lanes=Fals
     total, kind = meta.total, meta.kind
     columns = getattr(deliver, "columns", None)
     if columns is not None and not rows_are_lanes:  # the consumers take columns: no objects
+        if not count:
+            return
         try:
             columns(TapBlock(path, kind, total, lane, np.array(steps[:count]),
                              np.array(column[:count])))
@@ -254,6 +256,8 @@ def _deliver_tree_block(meta, layout, guard, steps, arrays, count, lane) -> bool
     columns = getattr(target[0], "columns", None)
     if columns is None:
         return False
+    if not count:
+        return True
     try:
         columns(column_block(target[1], meta.kind, meta.total, lane, steps, arrays, layout, count))
     except Exception as exc:  # noqa: BLE001 - totality

@@ -82,6 +82,34 @@ class _OnBlock:
         self.last = event.value
 
 
+def host_time_per_event(n_steps, k, **cfg):
+    """Seconds of host Python per buffered event: the time spent inside the
+    buffered hops' host function (jax-tap's own unpacking and delivery,
+    consumers included), divided by the events."""
+    from jaxtap import _emit
+    spent = [0.0]
+    original = _emit.make_buffer_host
+
+    def timed(*args, **kwargs):
+        host = original(*args, **kwargs)
+
+        def run(*a, **kw):
+            t0 = time.perf_counter()
+            host(*a, **kw)
+            spent[0] += time.perf_counter() - t0
+        return run
+
+    _emit.make_buffer_host = timed
+    try:
+        f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c * 0.999 + 1.0, None), x, None, length=n_steps)[0])
+        with tap.record(select=lambda leaves: leaves[0].mean(), flush_every=k, **cfg):
+            jax.block_until_ready(f(jnp.ones(4)))
+            jax.effects_barrier()
+    finally:
+        _emit.make_buffer_host = original
+    return spent[0] / n_steps
+
+
 def recorder_memory(n_events):
     """Bytes a FlightRecorder holds for ``n_events`` buffered scalar events."""
     import gc
@@ -209,6 +237,12 @@ def main(argv=None):
     mem = recorder_memory(mem_events)
     print(f"  FlightRecorder holding {mem_events:,} buffered scalar events: {mem / 2**20:.1f} MiB "
           f"({mem / mem_events:.1f} bytes/event)", flush=True)
+    host_steps = 20_000 if a.smoke else 200_000
+    host_us = {}
+    for name, k, cfg in (("recorder (columns)", 100, {}), ("recorder (columns)", 1000, {}),
+                         ("events to an on_step", 1000, {"on_step": lambda e: None})):
+        host_us[(name, k)] = host_time_per_event(host_steps, k, **cfg) * 1e6
+        print(f"  host Python per buffered event, {name}, K={k}: {host_us[(name, k)]:.3f} us", flush=True)
     us = {k: v["us_per_step"] for k, v in arms.items()}
     b = us["bare"]
     floor = us["raw debug.callback (floor)"] - b
@@ -236,6 +270,9 @@ def main(argv=None):
         "buffered K=1000, on_block consumer, per event / floor":
             (us["buffered K=1000, on_block consumer"] - b) / floor,
         "rec.df() of columns (K=1000), per event / floor": df_us[1000] / floor,
+        "host Python per event, recorder (columns) K=100 / floor": host_us[("recorder (columns)", 100)] / floor,
+        "host Python per event, recorder (columns) K=1000 / floor": host_us[("recorder (columns)", 1000)] / floor,
+        "host Python per event, events to an on_step K=1000 / floor": host_us[("events to an on_step", 1000)] / floor,
         "recorder bytes per buffered scalar event": mem / mem_events,
         "repeated verbose call (1 event/call) / plain eager f": t_g / t_plain,
         "repeated verbose call (no emitting loop) / plain eager f": t_g0 / t_plain,
@@ -245,6 +282,7 @@ def main(argv=None):
         "se=100 overhead per step / floor": 0.01,
         "buffered K=100, per event / floor": 0.02,
         "buffered K=1000, recorder only (columns), per event / floor": 0.001,
+        "host Python per event, recorder (columns) K=1000 / floor": 0.001,
         "buffered K=1000, on_block consumer, per event / floor": 0.001,
         "recorder bytes per buffered scalar event": 100,
         "after with-block / bare": 1.05,

@@ -260,3 +260,25 @@ def test_assigning_events_keeps_a_running_block_recording():
 @__import__("dataclasses").dataclass
 class Point:
     x: jax.Array
+
+
+def test_a_while_loop_nested_in_a_loop_buffers_at_most_64_rows_a_flush():
+    sizes = []
+
+    class Sizes:
+        def on_block(self, block):
+            sizes.append((block.path, len(block)))
+
+        def __call__(self, event):
+            pass
+
+    def f(x):
+        def outer(c, _):
+            c = jax.lax.while_loop(lambda s: s[0] < 100, lambda s: (s[0] + 1, s[1] * 1.001), (0, c))[1]
+            return c, None
+        return jax.lax.scan(outer, x, None, length=3)[0]
+
+    out, rec = run(jax.jit(f), jnp.float32(1), select=lambda leaves: leaves[-1], flush_every=1000, on_step=Sizes())
+    _, plain = run(jax.jit(f), jnp.float32(1), select=lambda leaves: leaves[-1])
+    assert [n for p, n in sizes if p == "scan[0]/while[0]"] == [64, 36] * 3  # not a 1000-row buffer per run
+    assert as_bits(sorted(rec.events, key=lambda e: e.path)) == as_bits(sorted(plain.events, key=lambda e: e.path))

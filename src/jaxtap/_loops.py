@@ -238,7 +238,7 @@ def _drive(walker, wants, path, top, runner: Runner, side=None, collect=None, la
         out = _collect(metas, payloads, runner, k0, walker.sinks.guard, collect)
         if out is not None:
             return out
-    return _drive_buffered(walker, metas, payloads, runner, k0, lane_running)
+    return _drive_buffered(walker, metas, payloads, runner, k0, lane_running, nested="/" in path)
 
 
 def _drive_scan(walker, metas, payloads, runner, k0, lane_running):
@@ -276,11 +276,16 @@ def _drive_while(walker, metas, payloads, runner, k0, lane_running):
     return list(out[3:])
 
 
-def _drive_buffered(walker, metas, payloads, runner, k0, lane_running):
+def _drive_buffered(walker, metas, payloads, runner, k0, lane_running, nested=False):
     """Buffered: K sampled steps written on device, one hop per flush."""
     every, flush = walker.plan.sample_every, walker.plan.flush_every
     if runner.uniform:
         flush = min(flush, runner.total)  # a scan never needs more rows than steps
+    elif nested:
+        # a while loop inside another loop flushes at its own end and starts
+        # a fresh (zeroed) buffer on every run: K rows each time would cost
+        # more than the hops they save when its runs are short
+        flush = min(flush, _NESTED_WHILE_ROWS)
     buf = Buffer(metas, payloads, runner.observe, flush, walker.sinks.guard)
     goes_on = runner.goes_on
     if runner.uniform:  # a scan: stop after the last sampled step (as unbuffered), no write lane_running
@@ -313,6 +318,7 @@ def _drive_buffered(walker, metas, payloads, runner, k0, lane_running):
     return runner.finish(out[0], st, every) if runner.uniform else st
 
 
+_NESTED_WHILE_ROWS = 64  # rows of a buffered while loop nested in another loop
 _BLOCK_BYTES = 4 << 20  # the most device memory blocks may add to a buffer
 _BUFFER_BYTES = 4 << 20  # the most device memory one loop's buffer may take (a flush ships it whole)
 

@@ -168,9 +168,11 @@ def verbose(f: Callable, *, on_step: Optional[Callable] = None, select: Optional
         buffer and ship them in one host hop (plus one at loop exit for the
         partial buffer). Carries, scan outputs and primitive taps are all
         buffered; an inner scan no longer than ``flush_every`` rides in its
-        outer step's buffer. Consumers still receive one TapEvent per step
-        and tap, in step order; a loop that never ends still reports every
-        ``flush_every`` samples.
+        outer step's buffer; a while loop nested in another loop buffers at
+        most 64 rows per flush (it flushes at its own end anyway). Consumers
+        still receive one TapEvent per step and tap (or TapBlocks, see
+        ``FlightRecorder``), in step order; a loop that never ends still
+        reports every ``flush_every`` samples.
     jit_events : bool
         Also deliver one ``TapEvent(kind="compile")`` per compilation of a
         jitted function during the call, at ``jit(name)@file.py:LINE``: its

@@ -70,24 +70,22 @@ _PRIM_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 # ------------------------------------------------------------------ parsing
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer (1 = every step), got {text!r}")
-    return value
+def _at_least_one(meaning: str):
+    """An argparse type: an int >= 1; ``meaning`` says what 1 means."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"must be a positive integer ({meaning}), got {text!r}")
+        return value
+
+    return parse
 
 
-def _compile_count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer (compilations allowed per function), got {text!r}")
-    return n
+_positive_int = _at_least_one("1 = every step")
+_compile_count = _at_least_one("compilations allowed per function")
 
 
 def _nonneg_int(text: str) -> int:
@@ -208,15 +206,8 @@ class _Sink(FlightRecorder):
 
     def append(self, event) -> None:
         try:
-            now = time.perf_counter()
             with self._stats_lock:
-                if self.first is None:
-                    self.first = now
-                s = self.stats.get((event.path, event.kind))
-                if s is None:
-                    s = self.stats[(event.path, event.kind)] = [0, event.step, event.total]
-                s[0] += 1
-                s[1], s[2] = event.step, event.total
+                self._tally(event.path, event.kind, 1, event.step, event.total)
                 if event.kind == "compile":
                     _count_compile(self.compiles, event)
                 if self.timeline is not None:
@@ -236,13 +227,7 @@ class _Sink(FlightRecorder):
             if not n:
                 return
             with self._stats_lock:
-                if self.first is None:
-                    self.first = time.perf_counter()
-                s = self.stats.get((block.path, block.kind))
-                if s is None:
-                    s = self.stats[(block.path, block.kind)] = [0, 0, block.total]
-                s[0] += n
-                s[1], s[2] = int(block.steps[-1]), block.total
+                self._tally(block.path, block.kind, n, int(block.steps[-1]), block.total)
                 if self.timeline is not None:
                     now = time.time()
                     self.timeline.extend((dataclasses.replace(e, value=None), now) for e in block.events())
@@ -253,6 +238,16 @@ class _Sink(FlightRecorder):
 
     def _block_appender(self):
         return self.append_block
+
+    def _tally(self, path, kind, n, last_step, total) -> None:
+        """Count ``n`` events of one address (under the stats lock)."""
+        if self.first is None:
+            self.first = time.perf_counter()
+        s = self.stats.get((path, kind))
+        if s is None:
+            s = self.stats[(path, kind)] = [0, last_step, total]
+        s[0] += n
+        s[1], s[2] = last_step, total
 
     def __len__(self) -> int:
         with self._stats_lock:

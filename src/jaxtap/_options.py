@@ -206,6 +206,11 @@ class Config:
         object.__setattr__(self, "taps", taps)
         object.__setattr__(self, "kinds", normalize_ops(self.ops))
 
+    @property
+    def time_taps(self) -> bool:
+        """Does this configuration ask for jit-event or trace-time taps?"""
+        return self.jit_events or self.trace_events or self.max_compiles is not None
+
     @classmethod
     def of(cls, arguments: Mapping[str, Any]) -> "Config":
         """The configuration among a call's arguments (e.g. ``locals()``)."""

@@ -24,7 +24,7 @@ import re
 import threading
 import time
 import weakref
-from typing import Any, Optional
+from typing import Optional
 
 from . import _seam
 from ._event import TapEvent
@@ -381,7 +381,6 @@ def _duration(span: Optional[tuple]) -> Optional[float]:
 
 def make_time_taps(config, deliver) -> Optional[TimeTaps]:
     """The time taps of a configuration, or None when it asks for none."""
-    c: Any = config
-    if not (c.jit_events or c.trace_events or c.max_compiles is not None):
+    if not config.time_taps:
         return None
-    return TimeTaps(deliver, c.jit_events, c.trace_events, c.max_compiles)
+    return TimeTaps(deliver, config.jit_events, config.trace_events, config.max_compiles)

@@ -98,7 +98,7 @@ def _warn_disabled():
 def configure(config: Config, recorder=None, with_form=False):
     """(plan, consumers, primitive consumers, time taps) of a configuration."""
     c = config
-    if recorder is not None and (c.timeline or c.jit_events or c.trace_events or c.max_compiles is not None):
+    if recorder is not None and (c.timeline or c.time_taps):
         recorder.keep_times()  # before the consumers take its appender
     consumers = Consumers(c.on_step, c.alert, c.alert_once, recorder=recorder,
                           on_ys=c.on_ys, alert_ys=c.alert_ys, alert_ys_once=c.alert_ys_once)

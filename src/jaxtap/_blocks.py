@@ -16,7 +16,7 @@ from typing import Any, List, Optional
 import jax
 import numpy as np
 
-from ._event import TapEvent, make_event
+from ._event import NO_ORIGIN, TapEvent, make_event
 
 
 class TapBlock:
@@ -26,6 +26,9 @@ class TapBlock:
     ----------
     path, kind, total, lane
         As on every :class:`TapEvent` of the block.
+    origin : tuple
+        ``(shard, device, process)`` of every event of the block (see
+        :class:`TapEvent`); ``(None, None, None)`` on one device.
     steps : numpy.ndarray
         The events' ``step`` values (int), in delivery order.
     values
@@ -40,11 +43,12 @@ class TapBlock:
     (3, TapEvent(path='scan[0]', step=1, value=np.float32(1.5), total=3, kind='carry'))
     """
 
-    __slots__ = ("path", "kind", "total", "lane", "steps", "_leaves", "_treedef", "_static", "_count", "_events")
+    __slots__ = ("path", "kind", "total", "lane", "origin", "steps", "_leaves", "_treedef", "_static", "_count",
+                 "_events")
 
     def __init__(self, path, kind, total, lane, steps, values=None, *, leaves=None, treedef=None, static=None,
-                 count=None):
-        self.path, self.kind, self.total, self.lane = path, kind, total, lane
+                 count=None, origin=NO_ORIGIN):
+        self.path, self.kind, self.total, self.lane, self.origin = path, kind, total, lane, tuple(origin)
         self.steps = _frozen(np.asarray(steps))
         if leaves is None:  # a bare column
             leaves, treedef, static, count = [values], None, {}, 1
@@ -82,11 +86,11 @@ class TapBlock:
 
     def _build(self) -> List[TapEvent]:
         rows = [_rows(c) for c in self._leaves]
-        path, kind, total, lane = self.path, self.kind, self.total, self.lane
+        path, kind, total, lane, origin = self.path, self.kind, self.total, self.lane, self.origin
         steps = self.steps.tolist()
         if self._treedef is None:
-            return [make_event(path, s, v, total, kind, lane) for s, v in zip(steps, rows[0])]
-        return [make_event(path, s, self._unflatten([r[i] for r in rows]), total, kind, lane)
+            return [make_event(path, s, v, total, kind, lane, origin) for s, v in zip(steps, rows[0])]
+        return [make_event(path, s, self._unflatten([r[i] for r in rows]), total, kind, lane, origin)
                 for i, s in enumerate(steps)]
 
     def tail(self, n: int) -> "TapBlock":
@@ -94,7 +98,7 @@ class TapBlock:
         cut = len(self) - n
         return TapBlock(self.path, self.kind, self.total, self.lane, self.steps[cut:],
                         leaves=[c[cut:] for c in self._leaves], treedef=self._treedef, static=self._static,
-                        count=self._count)
+                        count=self._count, origin=self.origin)
 
     def nbytes(self) -> int:
         return int(self.steps.nbytes + sum(c.nbytes for c in self._leaves))
@@ -115,14 +119,14 @@ def _rows(column: np.ndarray) -> list:
     return [np.array(r) for r in column]
 
 
-def column_block(path, kind, total, lane, steps, arrays, layout, count) -> Optional[TapBlock]:
+def column_block(path, kind, total, lane, steps, arrays, layout, count, origin=NO_ORIGIN) -> Optional[TapBlock]:
     """The block of one meta's ``count`` buffered rows (host copies)."""
     steps = np.array(steps[:count])
     cols = [np.array(a[:count]) for a in arrays]
     if layout.bare:
-        return TapBlock(path, kind, total, lane, steps, cols[0])
+        return TapBlock(path, kind, total, lane, steps, cols[0], origin=origin)
     return TapBlock(path, kind, total, lane, steps, leaves=cols, treedef=layout.treedef, static=layout.static,
-                    count=layout.count)
+                    count=layout.count, origin=origin)
 
 
 def frame_columns(block: TapBlock, flatten) -> Optional[dict]:

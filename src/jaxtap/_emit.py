@@ -8,6 +8,7 @@ pytree from host copies and hands a :class:`TapEvent` to a sink.
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any, NamedTuple
 
 import jax
@@ -17,10 +18,20 @@ from jax.custom_batching import custom_vmap
 
 from . import _seam
 from ._blocks import TapBlock, column_block
-from ._event import TapEvent, make_event
+from ._event import NO_ORIGIN, TapEvent, make_event
 from ._host import Guard
 
 _tuple_new = tuple.__new__
+
+
+class _Here(threading.local):
+    """The origin tags ``(shard, device, process)`` of the hop being
+    delivered on this thread (device threads call back concurrently)."""
+
+    tags = NO_ORIGIN
+
+
+_HERE = _Here()
 
 
 class TapSelectError(TypeError):
@@ -159,7 +170,7 @@ def _split_all(values):
 
 def _deliver_row(metas, layouts, guard, step, arrays, row, lane):
     """Rebuild and deliver each meta's event from host arrays (``row`` of a buffer)."""
-    offset = 0
+    offset, origin = 0, _HERE.tags
     for meta, layout in zip(metas, layouts):
         mine, offset = arrays[offset:offset + layout.n_dyn], offset + layout.n_dyn
         static = layout.static
@@ -178,7 +189,7 @@ def _deliver_row(metas, layouts, guard, step, arrays, row, lane):
                 fired, value = value
                 if not fired:
                     continue
-            meta.deliver(make_event(meta.path, step, value, meta.total, meta.kind, lane), meta.top)
+            meta.deliver(make_event(meta.path, step, value, meta.total, meta.kind, lane, origin), meta.top)
         except Exception as exc:  # noqa: BLE001 - totality
             guard.failed(exc)
 
@@ -195,14 +206,15 @@ def _deliver_column(meta, guard, steps, column, count, lane, rows_are_lanes=Fals
     if target is None:
         return
     deliver, path = target
-    total, kind = meta.total, meta.kind
+    total, kind, origin = meta.total, meta.kind, _HERE.tags
+    shard, device, process = origin
     columns = getattr(deliver, "columns", None)
     if columns is not None and not rows_are_lanes:  # the consumers take columns: no objects
         if not count:
             return
         try:
             columns(TapBlock(path, kind, total, lane, np.array(steps[:count]),
-                             np.array(column[:count])))
+                             np.array(column[:count]), origin=origin))
         except Exception as exc:  # noqa: BLE001 - totality
             guard.failed(exc)
         return
@@ -228,7 +240,7 @@ def _deliver_column(meta, guard, steps, column, count, lane, rows_are_lanes=Fals
             for step, value, ln in zip(steps[done:count], rows[done:], lanes[done:] if lanes is not None
                                        else itertools.repeat(lane, count - done)):
                 done += 1
-                deliver(_tuple_new(TapEvent, (path, step, value, total, kind, ln)))
+                deliver(_tuple_new(TapEvent, (path, step, value, total, kind, ln, shard, device, process)))
         except BaseException as exc:  # noqa: BLE001 - totality, as Guard
             failed(exc)
 
@@ -259,7 +271,7 @@ def _deliver_tree_block(meta, layout, guard, steps, arrays, count, lane) -> bool
     if not count:
         return True
     try:
-        columns(column_block(target[1], meta.kind, meta.total, lane, steps, arrays, layout, count))
+        columns(column_block(target[1], meta.kind, meta.total, lane, steps, arrays, layout, count, _HERE.tags))
     except Exception as exc:  # noqa: BLE001 - totality
         guard.failed(exc)
     return True
@@ -414,22 +426,46 @@ def hop(host, args, batched=True):
     callback instead.
     """
     with _seam.tap_scope():
+        origin = _seam.hop_origin()
+        if origin is not None and origin.axes:  # inside shard_map: the shard travels too
+            args = (_seam.shard_index(origin.axes), *args)
         packed, layout = _pack(args)
         plan = _unpack_plan(layout)
 
         def one(buf):
-            host(*_unpack(buf, plan))
+            _tagged(origin, _unpack(buf, plan), _one)
+
+        def _one(arrays):
+            host(*arrays)
 
         def lanes(buf):
-            arrays = _unpack(buf, plan)  # (lanes, ...) each
+            _tagged(origin, _unpack(buf, plan), _lanes)  # (lanes, ...) each
+
+        def _lanes(arrays):
             fast = getattr(host, "lanes", None)
             if fast is not None:
                 fast(*arrays)
                 return
-            for lane in range(np.shape(buf)[0]):
+            for lane in range(np.shape(arrays[0])[0] if arrays else 0):
                 host(*[a[lane] for a in arrays], lane=lane)
 
         _stage_hop(one, lanes, packed, batched)
+
+
+def _tagged(origin, arrays, deliver):
+    """Deliver a hop's host ``arrays`` with its origin tags set for the
+    events built meanwhile (a sharded hop's first array is its shard)."""
+    if origin is None:
+        deliver(arrays)
+        return
+    shard = None
+    if origin.axes:
+        shard, arrays = int(np.asarray(arrays[0]).reshape(-1)[0]), arrays[1:]
+    prev, _HERE.tags = _HERE.tags, origin.tags(shard)
+    try:
+        deliver(arrays)
+    finally:
+        _HERE.tags = prev
 
 
 def _stage_hop(one, lanes, packed, batched):
@@ -561,7 +597,7 @@ class Buffer:
         return 4 + sum(int(np.prod(s.shape, dtype=np.int64)) * np.dtype(s.dtype).itemsize for s in self.shapes)
 
     def empty(self):
-        bufs = [jnp.zeros((self.capacity, *s.shape), s.dtype) for s in self.shapes]
+        bufs = [_seam.varying_like(jnp.zeros((self.capacity, *s.shape), s.dtype), s) for s in self.shapes]
         return [jnp.zeros((self.capacity,), jnp.int32), *bufs]
 
     def write(self, fired, j, step, state, bufs):

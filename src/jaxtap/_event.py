@@ -5,7 +5,8 @@ import dataclasses
 from operator import itemgetter
 from typing import Any, Optional
 
-_FIELDS = ("path", "step", "value", "total", "kind", "lane")
+_FIELDS = ("path", "step", "value", "total", "kind", "lane", "shard", "device", "process")
+NO_ORIGIN = (None, None, None)  # (shard, device, process) of an event from one device, one process
 KINDS = ("carry", "output", "primitive", "compile", "trace")  # compile/trace: jit-event and trace-time taps
 _tuple_new = tuple.__new__
 
@@ -20,6 +21,9 @@ class _Shape:
     total: Optional[int] = None
     kind: str = "carry"
     lane: Optional[int] = None
+    shard: Optional[int] = None
+    device: Optional[int] = None
+    process: Optional[int] = None
 
 
 class TapEvent(tuple):
@@ -53,6 +57,18 @@ class TapEvent(tuple):
     lane : int or None
         Under ``jax.vmap``, the lane (batch index) this event belongs to;
         ``None`` when the shipped values were not batched.
+    shard : int or None
+        Inside ``jax.shard_map`` (and ``jax.pmap``), the shard that emitted
+        this event: its index over the manual mesh axes (row-major in mesh
+        axis order, as ``lax.axis_index(manual_axes)``), computed on device;
+        ``None`` elsewhere.
+    device : int or None
+        With ``shard``, the ``jax.Device.id`` of the device that ran it
+        (resolved on the host from the mesh); ``None`` elsewhere.
+    process : int or None
+        Under ``jax.distributed`` with more than one process, the
+        ``jax.process_index()`` of the process that received the event;
+        ``None`` in a single-process run.
 
     Examples
     --------
@@ -73,10 +89,14 @@ class TapEvent(tuple):
     total = property(itemgetter(3), doc="Scan length; None for while loops and outside any loop.")
     kind = property(itemgetter(4), doc='"carry", "output", "primitive", "compile" or "trace".')
     lane = property(itemgetter(5), doc="vmap lane, or None.")
+    shard = property(itemgetter(6), doc="Shard index over shard_map's manual axes, or None.")
+    device = property(itemgetter(7), doc="Id of the device that emitted it (with shard), or None.")
+    process = property(itemgetter(8), doc="jax.process_index() in a multi-process run, or None.")
 
     def __new__(cls, path: str, step: int, value: Any, total: Optional[int] = None,
-                kind: str = "carry", lane: Optional[int] = None) -> "TapEvent":
-        return _tuple_new(cls, (path, step, value, total, kind, lane))
+                kind: str = "carry", lane: Optional[int] = None, shard: Optional[int] = None,
+                device: Optional[int] = None, process: Optional[int] = None) -> "TapEvent":
+        return _tuple_new(cls, (path, step, value, total, kind, lane, shard, device, process))
 
     def __getnewargs__(self):
         return tuple(self)
@@ -107,12 +127,17 @@ class TapEvent(tuple):
     __le__ = __gt__ = __ge__ = __lt__
 
     def __repr__(self) -> str:
-        lane = "" if self[5] is None else f", lane={self[5]!r}"
+        extra = "".join(f", {name}={self[i]!r}" for i, name in _OPTIONAL if self[i] is not None)
         return (f"TapEvent(path={self[0]!r}, step={self[1]!r}, value={self[2]!r}, "
-                f"total={self[3]!r}, kind={self[4]!r}{lane})")
+                f"total={self[3]!r}, kind={self[4]!r}{extra})")
 
 
-def make_event(path, step, value, total, kind, lane=None) -> TapEvent:
+_OPTIONAL = tuple((i, _FIELDS[i]) for i in range(5, len(_FIELDS)))  # shown by repr only when set
+
+
+def make_event(path, step, value, total, kind, lane=None, origin=NO_ORIGIN) -> TapEvent:
     """Build a TapEvent on the host's hot path (equal to ``TapEvent(...)``,
-    without the Python-level ``__new__`` call)."""
-    return _tuple_new(TapEvent, (path, step, value, total, kind, lane))
+    without the Python-level ``__new__`` call); ``origin`` is
+    ``(shard, device, process)``."""
+    shard, device, process = origin
+    return _tuple_new(TapEvent, (path, step, value, total, kind, lane, shard, device, process))

@@ -320,6 +320,8 @@ def _sync_patches():
     wanted = set(_LOOPS) if _REGISTRY.n_active else set()
     if _REGISTRY.n_active:
         wanted.update(_seam.impl_primitives())  # library primitives holding loops (lineax)
+        if _seam.shard_map_p is not None:
+            wanted.add(_seam.shard_map_p)  # its mesh says which device runs each shard
         for ctx in _REGISTRY.active():
             if ctx._plan.prim_taps:
                 wanted.add(_seam.jit_p)  # what a tap name could match (see _note_names)
@@ -394,6 +396,8 @@ def _uninstall_all():
 
 
 def _make_bind(prim):
+    if prim is _seam.shard_map_p:
+        return _shard_map_bind(prim)
     handler = RULES.get(prim) if prim in _LOOPS else None
     expands = handler is None and _seam.impl_of(prim) is not None
     notes = prim is _seam.jit_p
@@ -422,6 +426,18 @@ def _make_bind(prim):
         if handler is None:
             return _tap_primitive(prim, ctx, args, params)
         return _intercept(prim, handler, ctx, args, params)
+
+    bind.__jaxtap_patch__ = True
+    return bind
+
+
+def _shard_map_bind(prim):
+    """shard_map traces its body inside its bind: the hops traced there
+    learn the concrete mesh (which device runs each shard)."""
+
+    def bind(*args, **params):
+        with _seam.binding_shard_map(params):
+            return _seam.bind_original(prim, args, params)
 
     bind.__jaxtap_patch__ = True
     return bind

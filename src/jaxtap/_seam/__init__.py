@@ -11,10 +11,13 @@ each assumption and fails loudly, naming it, on a JAX that breaks one.
 * :mod:`.eqns` - primitives, their names, the parameters read and written;
 * :mod:`.staging` - trace, bind and evaluate equations as JAX does;
 * :mod:`.stack` - interception, call-stack and trace heuristics, jit-key state;
+* :mod:`.mesh` - many devices and processes: manual axes, shard indices,
+  the device of each shard, the process;
 * :mod:`.monitor` - compile-time signals: top-level jit calls, JAX's
   monitoring spans, weak-type promotions (jit-event and trace-time taps).
 """
 from .eqns import *  # noqa: F401,F403
+from .mesh import *  # noqa: F401,F403
 from .stack import *  # noqa: F401,F403
 from .staging import *  # noqa: F401,F403
 from .versions import JAX_VERSION, JAX_VERSION_TEXT, MISSING, TESTED_RANGE, check_at_import, tested  # noqa: F401

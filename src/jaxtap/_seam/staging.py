@@ -50,7 +50,14 @@ def trace_closed(fn: Callable, in_avals: Sequence[Any]) -> ClosedJaxpr:
 
 
 def spec_of(aval):
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+    """A ShapeDtypeStruct for ``aval``; inside ``shard_map`` it keeps the
+    value's manual-axis type (which mesh axes it varies over)."""
+    weak = getattr(aval, "weak_type", False)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None and not mat.empty:
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak, sharding=aval.sharding,
+                                    manual_axis_type=mat)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak)
 
 
 def eval_eqn(eqn, invals):

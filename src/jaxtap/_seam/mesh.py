@@ -1,0 +1,165 @@
+"""The seam's view of many devices and processes: which mesh axes are manual
+where a hop is traced (inside ``shard_map`` / ``pmap``), which device runs
+each shard, and which process this is.
+
+JAX's host callbacks do not say which device called them. Inside
+``shard_map`` the shard is computed on device (``lax.axis_index`` over the
+manual axes) and travels with the hop; the device is resolved on the host
+from the concrete mesh ``shard_map`` was bound with, which the with-form
+records while the body is traced (:func:`binding_shard_map`).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+from jax import lax
+
+from .versions import internal
+
+__all__ = ["shard_map_p", "manual_axes", "shard_index", "varying_like", "shard_devices", "binding_shard_map", "process_tag",
+           "Origin", "hop_origin"]
+
+_mesh = internal("jax._src.mesh")
+_shard_map_mod = internal("jax._src.shard_map")
+shard_map_p = getattr(_shard_map_mod, "shard_map_p", None)
+
+
+class _Bound(threading.local):
+    def __init__(self):
+        self.meshes = []  # the meshes of the shard_maps being bound on this thread, innermost last
+
+
+_BOUND = _Bound()
+
+
+class binding_shard_map:
+    """While a ``shard_map`` is bound (its body traced) on this thread: its
+    mesh, for the hops traced inside (see :func:`shard_devices`)."""
+
+    __slots__ = ("mesh",)
+
+    def __init__(self, params):
+        self.mesh = params.get("mesh")
+
+    def __enter__(self):
+        _BOUND.meshes.append(self.mesh)
+
+    def __exit__(self, *exc):
+        _BOUND.meshes.pop()
+        return False
+
+
+def _abstract_mesh():
+    try:
+        return _mesh.get_abstract_mesh()
+    except Exception:  # noqa: BLE001 - a JAX without it: no manual axes known
+        return None
+
+
+def manual_axes() -> tuple:
+    """The mesh axes that are manual where we are tracing, in mesh order
+    (empty outside ``shard_map`` / ``pmap``)."""
+    am = _abstract_mesh()
+    if am is None or getattr(am, "empty", True):
+        return ()
+    manual = set(getattr(am, "manual_axes", ()) or ())
+    return tuple(a for a in am.axis_names if a in manual)
+
+
+def shard_index(axes: Sequence[str]):
+    """On device: this shard's flat index over ``axes`` (int32)."""
+    return lax.convert_element_type(lax.axis_index(tuple(axes)), np.int32)
+
+
+def _varying(x) -> frozenset:
+    mat = getattr(x, "manual_axis_type", None)
+    if mat is None:
+        mat = getattr(getattr(x, "aval", None), "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", ()) or ())
+
+
+def varying_like(x, ref):
+    """``x`` (a value we create, e.g. a zeroed buffer) typed as varying over
+    the manual axes ``ref`` (an aval or ShapeDtypeStruct) varies over, so a
+    loop may carry both (JAX checks that a carry's type does not change)."""
+    axes = _varying(ref) - _varying(x)
+    if not axes:
+        return x
+    return lax.pcast(x, tuple(sorted(axes)), to="varying")
+
+
+def _concrete(candidate, names) -> Optional[object]:
+    devices = getattr(candidate, "devices", None)
+    if isinstance(devices, np.ndarray) and tuple(getattr(candidate, "axis_names", ())) == tuple(names):
+        return candidate
+    return None
+
+
+def shard_devices(axes: Sequence[str]) -> Optional[list]:
+    """Device ids by flat shard index over ``axes``, from the concrete mesh
+    of the innermost ``shard_map`` being bound (or the context mesh of
+    ``jax.set_mesh``); None when no concrete mesh is known. A shard of a
+    partly automatic mesh is reported by its first device (index 0 along
+    the automatic axes), where JAX runs its callbacks."""
+    am = _abstract_mesh()
+    if am is None or not axes:
+        return None
+    names = tuple(am.axis_names)
+    mesh = None
+    for m in reversed(_BOUND.meshes):
+        mesh = _concrete(m, names)
+        if mesh is not None:
+            break
+    if mesh is None:
+        try:
+            mesh = _concrete(_mesh.get_concrete_mesh(), names)
+        except Exception:  # noqa: BLE001
+            mesh = None
+    if mesh is None:
+        return None
+    sizes = [mesh.devices.shape[names.index(a)] for a in axes]
+    out = []
+    for flat in np.ndindex(*sizes):
+        where = [0] * len(names)
+        for a, i in zip(axes, flat):
+            where[names.index(a)] = i
+        out.append(int(mesh.devices[tuple(where)].id))
+    return out
+
+
+def process_tag() -> Optional[int]:
+    """``jax.process_index()`` in a multi-process run, else None."""
+    try:
+        return jax.process_index() if jax.process_count() > 1 else None
+    except Exception:  # noqa: BLE001 - no backend yet: one process
+        return None
+
+
+class Origin:
+    """Where a hop's events come from: the manual axes its shard index is
+    taken over (traced on device), the device of each shard, the process."""
+
+    __slots__ = ("axes", "devices", "process")
+
+    def __init__(self, axes, devices, process):
+        self.axes, self.devices, self.process = tuple(axes), devices, process
+
+    def tags(self, shard=None) -> tuple:
+        """``(shard, device, process)`` of an event of ``shard``."""
+        device = None
+        if shard is not None and self.devices is not None and 0 <= shard < len(self.devices):
+            device = self.devices[shard]
+        return (shard, device, self.process)
+
+
+def hop_origin() -> Optional[Origin]:
+    """The origin of a hop traced here; None on one device in one process
+    (events then carry no origin tags)."""
+    axes = manual_axes()
+    process = process_tag()
+    if not axes and process is None:
+        return None
+    return Origin(axes, shard_devices(axes), process)

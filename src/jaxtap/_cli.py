@@ -540,7 +540,7 @@ def _make_block(parser, ns, progress):
             open(ns.jsonl, "w", encoding="utf-8").close()  # overwrite; fail here, not mid-run
         except OSError as exc:
             parser.error(f"--jsonl: can't write {ns.jsonl!r}: {exc.strerror or exc}")
-        writer = tap.JSONLWriter(ns.jsonl)
+        writer = tap.JSONLWriter(ns.jsonl, overwrite=True)  # per process under jax.distributed
     sink = _Sink(writer)
     if ns.timeline:
         try:

@@ -176,7 +176,9 @@ class FlightRecorder:
         ``value`` (so does a one-element tuple); a tuple or list ``value_0``,
         ``value_1``, ...; a dict one
         column per key (nested containers are flattened with ``_``).
-        ``kind=True`` / ``total=True`` add those columns.
+        ``kind=True`` / ``total=True`` add those columns. Events from many
+        devices or processes add ``shard``, ``device`` and ``process``
+        columns (after ``step``; empty on rows without them).
 
         Raises
         ------
@@ -238,8 +240,14 @@ class FlightRecorder:
 _BLOCK_LOCK = threading.Lock()
 
 
+_ORIGIN_COLUMNS = ("shard", "device", "process")
+
+
 def _row(e, kind, total):
     row = {"path": e.path, "step": e.step}
+    for name, tag in zip(_ORIGIN_COLUMNS, e[6:9]):
+        if tag is not None:
+            row[name] = tag
     if kind:
         row["kind"] = e.kind
     if total:
@@ -273,6 +281,9 @@ def _block_columns(block, kind, total):
         return None
     n = len(block)
     cols = {"path": [block.path] * n, "step": block.steps.astype(np.int64)}
+    for name, tag in zip(_ORIGIN_COLUMNS, block.origin):
+        if tag is not None:
+            cols[name] = np.full(n, tag, np.int64)
     if kind:
         cols["kind"] = [block.kind] * n
     if total:

@@ -10,13 +10,17 @@ anything is allocated. Files written by jax-tap 0.3.1 (``value_kind`` /
 """
 from __future__ import annotations
 
+import glob
 import json
+import os
+import re
 import threading
 import warnings
 from typing import Any, Dict, Iterator, List
 
 import numpy as np
 
+from . import _seam
 from ._collectors import _flatten_value
 from ._event import KINDS, TapEvent, make_event
 from ._host import TapWarning, warn_once_now
@@ -63,10 +67,14 @@ def _flat_columns(value) -> dict:
     return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in row.items()}
 
 
+_TAGS = ("lane", "shard", "device", "process")
+
+
 def _line(event) -> str:
     record = {"path": event.path, "step": event.step, "total": event.total, "kind": event.kind}
-    if event.lane is not None:
-        record["lane"] = event.lane
+    for name, tag in zip(_TAGS, event[5:9]):  # lane, shard, device, process: only when set
+        if tag is not None:
+            record[name] = tag
     record.update({k: v for k, v in _flat_columns(event.value).items() if k not in record})
     record["__value__"] = _encode(event.value)
     return json.dumps(record, default=repr, allow_nan=True) + "\n"
@@ -86,7 +94,7 @@ def _block_text(block):
     if col.dtype.kind == "f" and not np.isfinite(col).all():
         return None
     mark = col.dtype.type(_VALUE_MARKS[col.dtype.kind])
-    template = _line(make_event(block.path, _STEP_MARK, mark, block.total, block.kind, block.lane))
+    template = _line(make_event(block.path, _STEP_MARK, mark, block.total, block.kind, block.lane, block.origin))
     value_text = repr(mark.item())
     head, sep, rest = template.partition(str(_STEP_MARK))
     parts = rest.split(value_text)
@@ -107,6 +115,12 @@ class JSONLWriter:
     a full disk warns once and stops the writer (the file keeps every line
     written before); the program is never disturbed.
 
+    Under ``jax.distributed`` with several processes, each process writes
+    its own file: ``run.jsonl`` becomes ``run.p0.jsonl``, ``run.p1.jsonl``,
+    ... (decided at the first write, so a writer made before
+    ``jax.distributed.initialize`` splits too; ``.path`` then names the
+    process's file). :func:`read_jsonl` of ``run.jsonl`` merges them.
+
     Examples
     --------
     >>> import os, tempfile, jax, jax.numpy as jnp, jaxtap as tap
@@ -119,15 +133,35 @@ class JSONLWriter:
     [2.0, 4.0]
     """
 
-    def __init__(self, path):
+    def __init__(self, path, *, overwrite: bool = False):
         self.path = path
         self._lock = threading.Lock()
         self._failed = False
         self._fh = None
+        self._placed = False  # one file per process: decided at the first write
+        self._mode = "w" if overwrite else "a"
         try:
-            self._fh = open(path, "a", encoding="utf-8")
+            self._created = overwrite or not os.path.exists(path)
+            self._fh = open(path, self._mode, encoding="utf-8")
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
+
+    def _place(self) -> None:
+        """In a multi-process run, move to this process's own file (called
+        under the lock, at the first write)."""
+        self._placed = True
+        process = _seam.process_tag()
+        if process is None:
+            return
+        base, fh = self.path, self._fh
+        self.path = process_path(base, process)
+        self._fh = open(self.path, self._mode, encoding="utf-8")
+        fh.close()
+        try:
+            if self._created and os.path.getsize(base) == 0:
+                os.remove(base)  # the shared name stays free for the merged reading
+        except OSError:
+            pass  # another process removed it first
 
     def _fail(self, exc) -> None:
         # stop at the first failure: a later write that succeeds after a cut
@@ -167,6 +201,8 @@ class JSONLWriter:
             if text is None:
                 text = "".join(_line(e) for e in events)
             with self._lock:
+                if not self._placed and self._fh is not None:
+                    self._place()
                 if self._fh is not None:
                     self._fh.write(text)
                     self._fh.flush()
@@ -339,10 +375,11 @@ def _event(rec) -> TapEvent:
         raise _Bad(f"'total' must be an int or null, got {total!r}")
     if kind not in KINDS:
         raise _Bad(f"'kind' must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
-    lane = rec.get("lane")
-    if lane is not None and (not isinstance(lane, int) or isinstance(lane, bool)):
-        raise _Bad(f"'lane' must be an int or null, got {lane!r}")
-    return TapEvent(path, step, value, total, kind, lane)
+    tags = [rec.get(name) for name in _TAGS]
+    for name, tag in zip(_TAGS, tags):
+        if tag is not None and (not isinstance(tag, int) or isinstance(tag, bool)):
+            raise _Bad(f"'{name}' must be an int or null, got {tag!r}")
+    return TapEvent(path, step, value, total, kind, *tags)
 
 
 # ------------------------------------------------------------------ reading
@@ -351,8 +388,32 @@ def _check_errors(errors):
         raise ValueError(f"jax-tap: errors= must be 'raise' or 'skip', got {errors!r}")
 
 
+def process_path(path, process: int) -> str:
+    """The file process ``process`` writes for ``path``: ``run.jsonl`` ->
+    ``run.p1.jsonl``."""
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.p{process}{ext}"
+
+
+def process_files(path) -> List[tuple]:
+    """``(process, file)`` of the per-process files of ``path``, by process."""
+    stem, ext = os.path.splitext(path)
+    pattern = re.compile(re.escape(stem) + r"\.p(\d+)" + re.escape(ext) + "$")
+    found = []
+    for name in glob.glob(glob.escape(stem) + ".p*" + glob.escape(ext)):
+        m = pattern.match(name)
+        if m:
+            found.append((int(m.group(1)), name))
+    return sorted(found)
+
+
 def iter_jsonl(path, *, errors: str = "raise") -> Iterator[TapEvent]:
     """Stream the events of a JSONL telemetry file, one at a time.
+
+    A multi-process run's files (``run.p0.jsonl``, ``run.p1.jsonl``, ...,
+    see :class:`JSONLWriter`) are read as one when ``path`` names their
+    shared ``run.jsonl``: process after process, each file in its order
+    (:func:`read_jsonl` sorts them by process, path and step).
 
     Memory stays constant however long the file. A final line cut
     mid-write (a crashed or killed run) is dropped with one warning naming
@@ -372,6 +433,17 @@ def iter_jsonl(path, *, errors: str = "raise") -> Iterator[TapEvent]:
     [('scan[0]', 0, 1.5)]
     """
     _check_errors(errors)
+    parts = process_files(path)
+    if not parts:
+        yield from _iter_file(path, errors)
+        return
+    if os.path.exists(path) and os.path.getsize(path):
+        yield from _iter_file(path, errors)  # lines written before the run split
+    for _, name in parts:
+        yield from _iter_file(name, errors)
+
+
+def _iter_file(path, errors):
     bad, first_bad = 0, None
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, 1):
@@ -425,9 +497,17 @@ def read_jsonl(path, *, errors: str = "raise") -> List[TapEvent]:
     The same rules as :func:`iter_jsonl` (which streams instead): a cut
     final line is dropped with a warning; other bad lines raise
     ``ValueError`` naming file and line, or are skipped with
-    ``errors="skip"``.
+    ``errors="skip"``. A multi-process run's files (``run.p0.jsonl``, ...)
+    are merged, in (process, path, step, shard) order.
     """
-    return list(iter_jsonl(path, errors=errors))
+    events = list(iter_jsonl(path, errors=errors))
+    if process_files(path):
+        events.sort(key=_merge_key)
+    return events
+
+
+def _merge_key(e):
+    return (-1 if e.process is None else e.process, e.path, e.step, -1 if e.shard is None else e.shard)
 
 
 def read_jsonl_columns(path, *, errors: str = "raise") -> Dict[str, np.ndarray]:
@@ -443,7 +523,9 @@ def read_jsonl_columns(path, *, errors: str = "raise") -> Dict[str, np.ndarray]:
     for e in iter_jsonl(path, errors=errors):
         row: dict = {}
         _flatten_value(e.value, "value", row, top=True)
-        for key, v in (("path", e.path), ("step", e.step), ("total", e.total), ("kind", e.kind), *row.items()):
+        tags = [(name, tag) for name, tag in zip(_TAGS[1:], e[6:9]) if tag is not None]
+        for key, v in (("path", e.path), ("step", e.step), ("total", e.total), ("kind", e.kind), *tags,
+                       *row.items()):
             col = cols.get(key)
             if col is None:
                 col = cols[key] = [None] * n

@@ -181,7 +181,7 @@ class TimeTaps:
             "cost": call.cost,
             "start": min(a for a, _ in spans.values()),
         }
-        event = TapEvent(call.path, n, value, total=None, kind="compile")
+        event = TapEvent(call.path, n, value, total=None, kind="compile", process=_seam.process_tag())
         if self.max_compiles is not None and n + 1 > self.max_compiles and call.path not in self._alerted:
             self._alerted.add(call.path)
             line = f"[tap] FAIL {call.path} compiled {n + 1} times: {reason}"
@@ -237,7 +237,7 @@ class TimeTaps:
             "traces": n + 1,
             "time": time.time(),
         }
-        self.deliver(TapEvent(path, n, value, total=None, kind="trace"))
+        self.deliver(TapEvent(path, n, value, total=None, kind="trace", process=_seam.process_tag()))
 
 
 def nested_loops(prefix, jaxpr, counter=None):

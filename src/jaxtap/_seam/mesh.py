@@ -13,7 +13,6 @@ from __future__ import annotations
 import threading
 from typing import Optional, Sequence
 
-import jax
 import numpy as np
 from jax import lax
 
@@ -23,6 +22,7 @@ __all__ = ["shard_map_p", "manual_axes", "shard_index", "varying_like", "shard_d
            "Origin", "hop_origin"]
 
 _mesh = internal("jax._src.mesh")
+_distributed = internal("jax._src.distributed")
 _shard_map_mod = internal("jax._src.shard_map")
 shard_map_p = getattr(_shard_map_mod, "shard_map_p", None)
 
@@ -131,10 +131,15 @@ def shard_devices(axes: Sequence[str]) -> Optional[list]:
 
 
 def process_tag() -> Optional[int]:
-    """``jax.process_index()`` in a multi-process run, else None."""
+    """``jax.process_index()`` once ``jax.distributed`` runs more than one
+    process, else None. Read from the distributed state, never by starting
+    a backend (that would break a later ``jax.distributed.initialize``)."""
+    state = getattr(_distributed, "global_state", None)
     try:
-        return jax.process_index() if jax.process_count() > 1 else None
-    except Exception:  # noqa: BLE001 - no backend yet: one process
+        if state is None or state.client is None or int(state.num_processes) <= 1:
+            return None
+        return int(state.process_id)
+    except Exception:  # noqa: BLE001 - a JAX that moved it: one process
         return None
 
 

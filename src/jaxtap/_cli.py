@@ -258,24 +258,31 @@ class _Progress:
     """on_step consumer: one tqdm bar per outermost (depth-0) loop address.
 
     A loop re-run from the same source line keeps its address and restarts
-    at step 0: its bar resets and counts calls in the postfix.
+    at step 0: its bar resets and counts calls in the postfix. Inside
+    ``shard_map`` every shard runs the loop: a bar follows the first shard
+    it hears from.
     """
 
     def __init__(self, tqdm_cls, stream):
         self._tqdm = tqdm_cls
         self._stream = stream
         self._bars = {}  # path -> [bar, calls]
+        self._shards = {}  # path -> the shard its bar follows
         self._lock = threading.Lock()
 
+    def _follows(self, path, shard) -> bool:
+        return shard is None or self._shards.setdefault(path, shard) == shard
+
     def __call__(self, event) -> None:
-        if "/" in event.path or event.kind != "carry":
+        if "/" in event.path or event.kind != "carry" or not self._follows(event.path, event.shard):
             return
         self._at(event.path, event.total, event.step)
 
     def on_block(self, block) -> None:
         """A buffered block: the bar moves once per block (and restarts
         where the steps start over)."""
-        if "/" in block.path or block.kind != "carry" or not len(block):
+        if "/" in block.path or block.kind != "carry" or not len(block) or not self._follows(block.path,
+                                                                                           block.origin[0]):
             return
         steps = block.steps
         ends = [int(i) for i in np.nonzero(np.diff(steps) < 0)[0]] + [len(steps) - 1]

@@ -432,14 +432,14 @@ def hop(host, args, batched=True):
         packed, layout = _pack(args)
         plan = _unpack_plan(layout)
 
-        def one(buf):
-            _tagged(origin, _unpack(buf, plan), _one)
+        def one(*parts):
+            _tagged(origin, _unpack(_joined(parts), plan), _one)
 
         def _one(arrays):
             host(*arrays)
 
-        def lanes(buf):
-            _tagged(origin, _unpack(buf, plan), _lanes)  # (lanes, ...) each
+        def lanes(*parts):
+            _tagged(origin, _unpack(_joined(parts), plan), _lanes)  # (lanes, ...) each
 
         def _lanes(arrays):
             fast = getattr(host, "lanes", None)
@@ -468,20 +468,44 @@ def _tagged(origin, arrays, deliver):
         _HERE.tags = prev
 
 
+# Bytes per callback operand. XLA's CPU client copies an operand over 100 KiB
+# to the host asynchronously, on a thread pool that device threads waiting in
+# callbacks can exhaust: with more devices than cores (shard_map on CPU) a
+# large hop would deadlock. Smaller operands are copied on the spot.
+_CHUNK = 96 << 10
+
+
+def _chunks(a) -> tuple:
+    """A packed (traced) vector as operands of at most ``_CHUNK`` bytes,
+    split along its last axis (leading axes: lanes)."""
+    rows = int(np.prod(a.shape[:-1], dtype=np.int64)) or 1
+    per, n = max(1, _CHUNK // rows), a.shape[-1]
+    if n <= per:
+        return (a,)
+    return tuple(jax.lax.slice_in_dim(a, i, min(i + per, n), axis=a.ndim - 1) for i in range(0, n, per))
+
+
+def _joined(parts):
+    """Host side of :func:`_chunks`."""
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate([np.asarray(p) for p in parts], axis=-1)
+
+
 def _stage_hop(one, lanes, packed, batched):
     if not batched:
-        jax.debug.callback(one, packed)
+        jax.debug.callback(one, *_chunks(packed))
         return
 
     @jax.custom_jvp
     @custom_vmap
     def _hop(a):
-        jax.debug.callback(one, a)
+        jax.debug.callback(one, *_chunks(a))
         return ()
 
     @_hop.def_vmap
     def _hop_vmap(axis_size, in_batched, a):
-        jax.debug.callback(lanes if in_batched[0] else one, a)
+        jax.debug.callback(lanes if in_batched[0] else one, *_chunks(a))
         return (), ()
 
     @_hop.defjvp

@@ -285,7 +285,7 @@ def test_inner_jit_parameters_are_preserved():
         assert eqn.params.get(key) == plain.params.get(key), key
 
 
-def test_opaque_primitives_are_bound_unchanged():
+def test_shard_map_inside_a_loop_is_tapped():
     from jax.sharding import Mesh, PartitionSpec as P
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
@@ -297,7 +297,10 @@ def test_opaque_primitives_are_bound_unchanged():
 
     seen, out = events_of(f, jnp.float32(1.0))
     assert_bits(out, f(jnp.float32(1.0)))
-    assert {e.path for e in seen} == {"scan[0]"}
+    assert {e.path for e in seen} == {"scan[0]", "scan[0]/scan[0]"}
+    inner = [e for e in seen if e.path == "scan[0]/scan[0]"]
+    assert [e.step for e in inner] == [0, 1, 2] * 2
+    assert {(e.shard, e.device) for e in inner} == {(0, jax.devices()[0].id)}
 
 
 # ------------------------------------------------------------------ bad input

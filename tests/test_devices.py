@@ -110,12 +110,24 @@ def four():
         xs = jax.device_put(x, NamedSharding(mesh, P("x")))
         run("sharded_jit", jax.jit(scan5), xs)
         run("sharded_jit_mean", jax.jit(scan5), xs, select=lambda c: jnp.mean(c[0]))
+        explicit = jax.make_mesh((4,), ("x",), axis_types=(AT.Explicit,))
+        xe = jax.device_put(x, NamedSharding(explicit, P("x")))
+        run("explicit_jit", jax.jit(scan5), xe)
+        run("explicit_jit_buffered", jax.jit(scan5), xe, flush_every=2)
+        run("explicit_jit_ys", jax.jit(scan5), xe, select_ys=lambda ys: ys)
+        run("explicit_shard_map", jax.jit(jax.shard_map(scan5, mesh=explicit, in_specs=P("x"),
+                                                        out_specs=(P("x"), P("x")))), xe)
         donated = jax.jit(lambda x: lax.scan(body, x, None, length=5)[0], donate_argnums=0)
         a = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
         with tap.record() as rec:
             out = jax.block_until_ready(donated(a))
         RESULT["donation"] = {"deleted": a.is_deleted(), "events": len(rec.events),
                               "sharding": str(out.sharding) == str(NamedSharding(mesh, P("x")))}
+
+        inner = jax.shard_map(lambda x: scan5(x)[0], mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        around = jax.jit(lambda x: lax.scan(lambda c, _: (inner(c), None), x, None, length=2)[0])
+        run("loop_around_shard_map", around, x)
+        run("loop_around_shard_map_buffered", around, x, flush_every=4)
 
         # payloads over XLA's 100 KiB async host-copy limit: each shard's hop (and a
         # gathered sharded carry) would deadlock 4 CPU devices on 2 cores unshipped in pieces
@@ -227,10 +239,34 @@ def test_sharded_jit_one_event_per_step(four):
         assert all(e[3] is None and e[4] is None for e in got["events"])
 
 
+def test_shard_map_inside_a_tapped_loop(four):
+    r, _ = four
+    got = r["loop_around_shard_map"]
+    assert got["same"]
+    outer = [e for e in got["events"] if e[0] == "scan[0]"]
+    inner = [e for e in got["events"] if e[0] == "scan[0]/scan[0]"]
+    assert [e[1] for e in outer] == [0, 1] and all(e[3] is None for e in outer)
+    assert len(inner) == 2 * 5 * 4 and sorted({e[3] for e in inner}) == [0, 1, 2, 3]
+    assert {e[3]: e[4] for e in inner} == dict(enumerate(r["mesh_devices"]))
+    # inside a buffered step the shard_map's loops are silent (README: Many devices)
+    buffered = r["loop_around_shard_map_buffered"]
+    assert buffered["same"] and [e[:2] for e in buffered["events"]] == [["scan[0]", 0], ["scan[0]", 1]]
+
+
 def test_large_payloads_do_not_deadlock(four):
     r, _ = four
     for name, n in (("big_shard_map", 20), ("big_shard_map_buffered", 20), ("big_sharded_jit", 5)):
         assert r[name]["same"] and len(r[name]["events"]) == n, name
+
+
+def test_explicit_mesh(four):
+    """Explicit sharding types: the traced step keeps them; hops and buffers
+    take the values unsharded."""
+    r, _ = four
+    for name, n in (("explicit_jit", 5), ("explicit_jit_buffered", 5), ("explicit_jit_ys", 10)):
+        assert r[name]["same"] and r[name]["sharding"] and len(r[name]["events"]) == n, name
+    got = r["explicit_shard_map"]
+    assert got["same"] and len(got["events"]) == 20 and _shards(got) == [0, 1, 2, 3]
 
 
 def test_donation_and_output_sharding_kept(four):

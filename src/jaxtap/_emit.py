@@ -85,7 +85,7 @@ def _split_payload(value):
     dynamic, static = [], {}
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, (jax.Array, _seam.Tracer)):
-            dynamic.append(leaf)
+            dynamic.append(_seam.replicated(leaf) if isinstance(leaf, _seam.Tracer) else leaf)
         elif isinstance(leaf, (np.ndarray, np.generic)):
             dynamic.append(jnp.asarray(leaf))
         else:

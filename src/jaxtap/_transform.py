@@ -460,6 +460,23 @@ def handle_remat(walker, eqn, params, invals, scope, site):
     return _adopt(scope, side, _bind(eqn, _seam.remat_p, args, new_params))
 
 
+if _seam.shard_map_p is not None:
+    @register(_seam.shard_map_p)
+    def handle_shard_map(walker, eqn, params, invals, scope, site):
+        """A shard_map inside a tapped loop: its body is rewritten with its
+        axes manual (as shard_map traces it), the enclosing step threaded in
+        replicated. Inside a buffered step its loops stay silent."""
+        if scope.side is not None:
+            return _bind(eqn, _seam.shard_map_p, list(invals), params)
+        avals, values = _threaded(scope)
+        with _seam.inside_shard_map(params):
+            closed = walker.rewrite_closed(_seam.remat_body(params), _child_scope_fn(scope, scope.prefix,
+                                                                                     scope.counter), avals)
+        jaxpr, consts = _seam.open_with_const_inputs(closed)
+        new_params = _seam.shard_map_with_body(params, jaxpr, len(consts), len(values))
+        return _bind(eqn, _seam.shard_map_p, list(consts) + list(invals) + values, new_params)
+
+
 def _handle_call(prim):
     def handle(walker, eqn, params, invals, scope, site):
         # Custom-derivative bodies keep their signature (their rules are

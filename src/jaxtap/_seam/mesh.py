@@ -10,19 +10,22 @@ records while the body is traced (:func:`binding_shard_map`).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Optional, Sequence
 
+import jax
 import numpy as np
 from jax import lax
 
 from .versions import internal
 
-__all__ = ["shard_map_p", "manual_axes", "shard_index", "varying_like", "shard_devices", "binding_shard_map", "process_tag",
+__all__ = ["shard_map_p", "manual_axes", "shard_index", "varying_like", "replicated", "inside_shard_map", "shard_map_with_body", "shard_devices", "binding_shard_map", "process_tag",
            "Origin", "hop_origin"]
 
 _mesh = internal("jax._src.mesh")
 _distributed = internal("jax._src.distributed")
+_config = internal("jax._src.config")
 _shard_map_mod = internal("jax._src.shard_map")
 shard_map_p = getattr(_shard_map_mod, "shard_map_p", None)
 
@@ -50,6 +53,27 @@ class binding_shard_map:
     def __exit__(self, *exc):
         _BOUND.meshes.pop()
         return False
+
+
+@contextlib.contextmanager
+def inside_shard_map(params):
+    """Trace as ``shard_map`` traces its body (the equation's ``params``):
+    its axes manual, its mesh bound (for the devices of the hops traced)."""
+    mesh, axes = params["mesh"], params["newly_manual_axes"]
+    with _shard_map_mod._extend_axis_env(mesh, axes), \
+            _mesh.use_abstract_mesh(_shard_map_mod._as_manual_mesh(mesh, axes)), \
+            _config._check_vma(params["check_vma"]), binding_shard_map(params):
+        yield
+
+
+def shard_map_with_body(params, jaxpr, n_consts, n_extra):
+    """shard_map params for a new open body taking ``n_consts`` leading and
+    ``n_extra`` trailing inputs more, each replicated (``P()``)."""
+    p = dict(params)
+    rep = jax.sharding.PartitionSpec()
+    p["jaxpr"] = jaxpr
+    p["in_specs"] = (rep,) * n_consts + tuple(params["in_specs"]) + (rep,) * n_extra
+    return p
 
 
 def _abstract_mesh():
@@ -82,13 +106,33 @@ def _varying(x) -> frozenset:
 
 
 def varying_like(x, ref):
-    """``x`` (a value we create, e.g. a zeroed buffer) typed as varying over
-    the manual axes ``ref`` (an aval or ShapeDtypeStruct) varies over, so a
-    loop may carry both (JAX checks that a carry's type does not change)."""
+    """``x`` (a value we create, e.g. a zeroed buffer) typed as ``ref`` (an
+    aval or ShapeDtypeStruct of the values it will hold): on the same mesh
+    where the type holds one (explicit axes), and varying over the manual
+    axes ``ref`` varies over, so a loop may carry both (JAX checks that a
+    carry's type does not change)."""
+    sharding = getattr(ref, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is not None and not getattr(mesh, "empty", True) and not getattr(mesh, "manual_axes", ()):
+        x = jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     axes = _varying(ref) - _varying(x)
     if not axes:
         return x
     return lax.pcast(x, tuple(sorted(axes)), to="varying")
+
+
+def replicated(x):
+    """``x`` (traced) unsharded, where its type says it is sharded (a mesh
+    with explicit axes): what a host hop, one operand packed from many
+    values, needs. Anything else is returned as it is."""
+    try:
+        sharding = jax.typeof(x).sharding
+        spec = sharding.spec
+    except Exception:  # noqa: BLE001 - no sharding in its type
+        return x
+    if getattr(sharding.mesh, "empty", True) or all(p is None for p in spec):
+        return x
+    return jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
 
 
 def _concrete(candidate, names) -> Optional[object]:

@@ -50,13 +50,18 @@ def trace_closed(fn: Callable, in_avals: Sequence[Any]) -> ClosedJaxpr:
 
 
 def spec_of(aval):
-    """A ShapeDtypeStruct for ``aval``; inside ``shard_map`` it keeps the
-    value's manual-axis type (which mesh axes it varies over)."""
+    """A ShapeDtypeStruct for ``aval``; it keeps the value's sharding where
+    the type holds one (a mesh with explicit axes) and, inside
+    ``shard_map``, its manual-axis type (which mesh axes it varies over)."""
     weak = getattr(aval, "weak_type", False)
     mat = getattr(aval, "manual_axis_type", None)
+    sharding = getattr(aval, "sharding", None)
+    typed = not getattr(getattr(sharding, "mesh", None), "empty", True)
     if mat is not None and not mat.empty:
-        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak, sharding=aval.sharding,
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak, sharding=sharding,
                                     manual_axis_type=mat)
+    if typed:
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak, sharding=sharding)
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak)
 
 

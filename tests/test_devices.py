@@ -129,6 +129,16 @@ def four():
         run("loop_around_shard_map", around, x)
         run("loop_around_shard_map_buffered", around, x, flush_every=4)
 
+        def nanny(x):  # shard 2 turns NaN from step 3
+            def b(c, _):
+                c = c + 1.0
+                bad = ((lax.axis_index("x") == 2) & (c[0] > 7.5)).astype(c.dtype)
+                return c + 0.0 * jnp.log(c - 100.0 * bad), None
+            return lax.scan(b, x, None, length=5)[0]
+        with tap.record(taps=[tap.watch_nan("log")]):
+            jax.block_until_ready(jax.jit(jax.shard_map(nanny, mesh=mesh, in_specs=P("x"), out_specs=P("x")))(x))
+        jax.effects_barrier()
+
         # payloads over XLA's 100 KiB async host-copy limit: each shard's hop (and a
         # gathered sharded carry) would deadlock 4 CPU devices on 2 cores unshipped in pieces
         big = jnp.linspace(0.0, 1.0, 4 * 32768, dtype=jnp.float32)
@@ -251,6 +261,14 @@ def test_shard_map_inside_a_tapped_loop(four):
     # inside a buffered step the shard_map's loops are silent (README: Many devices)
     buffered = r["loop_around_shard_map_buffered"]
     assert buffered["same"] and [e[:2] for e in buffered["events"]] == [["scan[0]", 0], ["scan[0]", 1]]
+
+
+def test_alert_lines_name_the_shard(four):
+    _, err = four
+    fails = [ln for ln in err.splitlines() if ln.startswith("[tap] FAIL")]
+    # mesh devices reversed: shard 2 holds x[4:6] = 4, 5 -> c[0] > 7.5 from step 3
+    assert fails and all("[shard 2]" in ln for ln in fails), fails
+    assert "[tap] FAIL scan[0]/log[0] 3/5 [shard 2]: NaN/Inf" in fails
 
 
 def test_large_payloads_do_not_deadlock(four):

@@ -67,23 +67,37 @@ def timeit(fn, x, repeats, cfg):
     return statistics.median(once() for _ in range(repeats)), first
 
 
-def arms(mesh, steps):
-    """(name, jitted fn, tap config or None) of both families."""
-    sm = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x")))  # noqa: E731
+def arms(steps, size):
+    """(family, name, jitted fn, tap config or None, input) of every family."""
+    auto = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    explicit = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    data = jnp.linspace(0.0, 1.0, size, dtype=jnp.float32)
+    xa = jax.device_put(data, NamedSharding(auto, P("x")))
+    xe = jax.device_put(data, NamedSharding(explicit, P("x")))
+    sm = lambda f: jax.jit(jax.shard_map(f, mesh=auto, in_specs=P("x"), out_specs=P("x")))  # noqa: E731
     plain = program(steps)
     mean = lambda c: jnp.mean(c)  # noqa: E731
     whole = lambda c: c  # noqa: E731
     out = []
-    for family, wrap in (("shard_map", sm), ("sharded jit", jax.jit)):
+    for family, wrap, x in (("shard_map", sm, xa), ("sharded jit", jax.jit, xa)):
         out += [
-            (family, "untapped", wrap(plain), None),
-            (family, "raw debug.callback, whole carry", wrap(program(steps, whole)), None),
-            (family, "raw debug.callback, its mean", wrap(program(steps, mean)), None),
-            (family, "tapped, whole carry", wrap(plain), {}),
-            (family, "tapped, select=mean", wrap(plain), {"select": lambda leaves: jnp.mean(leaves[0])}),
-            (family, "tapped, progress idiom select=lambda _: ()", wrap(plain), {"select": lambda _: ()}),
-            (family, "tapped, whole carry, flush_every=50", wrap(plain), {"flush_every": 50}),
+            (family, "untapped", wrap(plain), None, x),
+            (family, "raw debug.callback, whole carry", wrap(program(steps, whole)), None, x),
+            (family, "raw debug.callback, its mean", wrap(program(steps, mean)), None, x),
+            (family, "tapped, whole carry", wrap(plain), {}, x),
+            (family, "tapped, select=mean", wrap(plain), {"select": lambda leaves: jnp.mean(leaves[0])}, x),
+            (family, "tapped, progress idiom select=lambda _: ()", wrap(plain), {"select": lambda _: ()}, x),
+            (family, "tapped, whole carry, flush_every=50", wrap(plain), {"flush_every": 50}, x),
         ]
+    family = "explicit-axes jit"
+    out += [
+        (family, "untapped", jax.jit(plain), None, xe),
+        (family, "raw debug.callback, whole carry", jax.jit(program(steps, whole)), None, xe),
+        (family, "tapped, whole carry (gathered)", jax.jit(plain), {}, xe),
+        (family, "tapped, per_shard=True", jax.jit(plain), {"per_shard": True}, xe),
+        (family, "tapped, per_shard=True, flush_every=50", jax.jit(plain), {"per_shard": True, "flush_every": 50},
+         xe),
+    ]
     return out
 
 
@@ -96,13 +110,12 @@ def main(argv=None):
     args = ap.parse_args(argv)
     steps = args.steps or (100 if args.smoke else 1000)
     repeats = 3 if args.smoke else 7
-    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-    x = jax.device_put(jnp.linspace(0.0, 1.0, args.size, dtype=jnp.float32), NamedSharding(mesh, P("x")))
     rows, base = [], {}
-    for family, name, fn, cfg in arms(mesh, steps):
+    for family, name, fn, cfg, x in arms(steps, args.size):
         per, first = timeit(fn, x, repeats, cfg)
         us = per / steps * 1e6
-        base.setdefault((family, "untapped"), us) if name == "untapped" else None
+        if name == "untapped":
+            base[(family, "untapped")] = us
         if name.startswith("raw") and name.endswith("whole carry"):
             base[(family, "floor")] = us
         rows.append({"family": family, "arm": name, "us_per_step": us, "first_call_s": first,

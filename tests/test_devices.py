@@ -117,6 +117,24 @@ def four():
         run("explicit_jit_ys", jax.jit(scan5), xe, select_ys=lambda ys: ys)
         run("explicit_shard_map", jax.jit(jax.shard_map(scan5, mesh=explicit, in_specs=P("x"),
                                                         out_specs=(P("x"), P("x")))), xe)
+        run("per_shard", jax.jit(scan5), xe, per_shard=True)
+        run("per_shard_buffered", jax.jit(scan5), xe, per_shard=True, flush_every=2)
+        m22 = jax.make_mesh((2, 2), ("x", "y"), axis_types=(AT.Explicit, AT.Explicit))
+        run("per_shard_2x2", jax.jit(scan5), jax.device_put(x, NamedSharding(m22, P("x"))), per_shard=True)
+        RESULT["m22_devices"] = [[d.id for d in row] for row in m22.devices]
+        with jax.set_mesh(explicit):
+            run("per_shard_set_mesh", jax.jit(scan5), xe, per_shard=True)
+        RESULT["explicit_devices"] = [d.id for d in explicit.devices.flat]
+        with tap.record(per_shard=True) as rec:
+            jax.block_until_ready(jax.jit(scan5)(xe))
+        with tap.record() as whole:
+            jax.block_until_ready(jax.jit(scan5)(xe))
+        pieces = {}
+        for e in rec.events:
+            pieces.setdefault(e.step, {})[e.shard] = np.asarray(e.value[0])
+        RESULT["per_shard_pieces"] = all(
+            np.concatenate([pieces[e.step][s] for s in range(4)]).tobytes() == np.asarray(e.value[0]).tobytes()
+            and pieces[e.step][0].shape == (2,) for e in whole.events)
         donated = jax.jit(lambda x: lax.scan(body, x, None, length=5)[0], donate_argnums=0)
         a = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
         with tap.record() as rec:
@@ -285,6 +303,21 @@ def test_explicit_mesh(four):
         assert r[name]["same"] and r[name]["sharding"] and len(r[name]["events"]) == n, name
     got = r["explicit_shard_map"]
     assert got["same"] and len(got["events"]) == 20 and _shards(got) == [0, 1, 2, 3]
+
+
+def test_per_shard_under_a_sharded_jit(four):
+    """per_shard=True: each shard ships its own piece (no gather), tagged."""
+    r, _ = four
+    for name in ("per_shard", "per_shard_buffered", "per_shard_set_mesh"):
+        got = r[name]
+        assert got["same"] and got["sharding"] and len(got["events"]) == 20 and _shards(got) == [0, 1, 2, 3], name
+        assert all(steps == [0, 1, 2, 3, 4] for steps in _per_shard_steps(got).values()), name
+    assert r["per_shard_pieces"]  # the pieces are the carry's shards, bit for bit
+    # under jax.set_mesh the device of each shard is known
+    assert {e[3]: e[4] for e in r["per_shard_set_mesh"]["events"]} == dict(enumerate(r["explicit_devices"]))
+    # split along x only on a 2x2 mesh: one event per piece, not one per device
+    two = r["per_shard_2x2"]
+    assert two["same"] and len(two["events"]) == 10 and _shards(two) == [0, 1]
 
 
 def test_donation_and_output_sharding_kept(four):

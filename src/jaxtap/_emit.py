@@ -24,6 +24,32 @@ from ._host import Guard
 _tuple_new = tuple.__new__
 
 
+class _Mode(threading.local):
+    """How the hops traced on this thread ship sharded values: gathered to
+    one device (default), or one hop per shard (``per_shard``)."""
+
+    per_shard = False
+
+
+MODE = _Mode()
+
+
+class shard_mode:
+    """While tracing one plan's rewrite: its ``per_shard`` choice."""
+
+    __slots__ = ("on", "prev")
+
+    def __init__(self, plan):
+        self.on = bool(getattr(plan, "per_shard", False))
+
+    def __enter__(self):
+        self.prev, MODE.per_shard = MODE.per_shard, self.on
+
+    def __exit__(self, *exc):
+        MODE.per_shard = self.prev
+        return False
+
+
 class _Here(threading.local):
     """The origin tags ``(shard, device, process)`` of the hop being
     delivered on this thread (device threads call back concurrently)."""
@@ -85,7 +111,8 @@ def _split_payload(value):
     dynamic, static = [], {}
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, (jax.Array, _seam.Tracer)):
-            dynamic.append(_seam.replicated(leaf) if isinstance(leaf, _seam.Tracer) else leaf)
+            keep = MODE.per_shard or not isinstance(leaf, _seam.Tracer)  # per shard: the hop splits it
+            dynamic.append(leaf if keep else _seam.replicated(leaf))
         elif isinstance(leaf, (np.ndarray, np.generic)):
             dynamic.append(jnp.asarray(leaf))
         else:
@@ -427,6 +454,10 @@ def hop(host, args, batched=True):
     """
     with _seam.tap_scope():
         origin = _seam.hop_origin()
+        if MODE.per_shard and (origin is None or not origin.axes):
+            if _seam.local_hop(args, lambda *local: hop(host, local, batched)):
+                return  # sharded by their types: one hop per shard, inside a shard_map
+            args = [_seam.replicated(a) for a in args]
         if origin is not None and origin.axes:  # inside shard_map: the shard travels too
             args = (_seam.shard_index(origin.axes), *args)
         packed, layout = _pack(args)

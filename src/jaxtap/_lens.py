@@ -30,7 +30,7 @@ import weakref
 import jax
 
 from . import _seam
-from ._emit import TapSelectError
+from ._emit import TapSelectError, shard_mode
 from ._host import Guard, warn_once_now
 from . import _loops  # noqa: F401 - registers the scan and while rules
 from ._rules import RULES
@@ -475,7 +475,8 @@ def _tap_primitive(prim, ctx, args, params):
     walker = ctx._token.walker
     with _seam.quiet():
         try:
-            walker.emit_prims(prim.name, _seam.current_site(), False, list(args), outs, walker.top_scope())
+            with shard_mode(walker.plan):
+                walker.emit_prims(prim.name, _seam.current_site(), False, list(args), outs, walker.top_scope())
         except TapSelectError:
             raise  # bad input: said clearly, never swallowed
         except Exception as exc:  # noqa: BLE001
@@ -503,7 +504,7 @@ def _intercept(prim, handler, ctx, args, params):
             ctx._names_seen.update(tappable_names(_seam.loop_body(prim, params).jaxpr))
             if _seam.evaluating_eagerly():
                 return _eager_tapped(walker, prim, handler, params, site)(*args)
-            with _seam.loop_scope():
+            with _seam.loop_scope(), shard_mode(walker.plan):
                 scope = walker.top_scope(SiteIndex() if provisional else None)
                 return handler(walker, None, params, list(args), scope, site)
         except TapSelectError:
@@ -540,7 +541,7 @@ def _eager_tapped(walker, prim, handler, params, site):
         key, fn = None, None
     if fn is None:
         def run(*args):
-            with _seam.loop_scope():
+            with _seam.loop_scope(), shard_mode(walker.plan):
                 return handler(walker, None, params, list(args), walker.top_scope(), site)
 
         fn = jax.jit(run)
@@ -565,7 +566,8 @@ def _intercept_expanding(prim, ctx, args, params):
             for name, site in _seam.top_loops(expanded.jaxpr):
                 ctx._sites.index(name, site)  # program order, as for a loop bound here
             # (no site: the expansion's own loops carry theirs)
-            return handler_for(prim)(walker, None, params, list(args), walker.top_scope(), None)
+            with shard_mode(walker.plan):
+                return handler_for(prim)(walker, None, params, list(args), walker.top_scope(), None)
         except TapSelectError:
             raise
         except Exception as exc:  # noqa: BLE001 - our failure must not be the user's

@@ -186,6 +186,7 @@ class Config:
     trace_events: bool = False
     max_compiles: Optional[int] = None
     timeline: bool = False
+    per_shard: bool = False
 
     def __post_init__(self):
         for name in ("on_step", "select", "alert", "where", "select_ys", "on_ys", "alert_ys"):
@@ -194,7 +195,7 @@ class Config:
         check_max_depth(self.max_depth)
         check_flush_every(self.flush_every)
         check_max_compiles(self.max_compiles)
-        for name in ("alert_once", "alert_ys_once", "jit_events", "trace_events", "timeline"):
+        for name in ("alert_once", "alert_ys_once", "jit_events", "trace_events", "timeline", "per_shard"):
             if not isinstance(getattr(self, name), (bool, int)):
                 raise TypeError(f"jax-tap: `{name}` must be True or False, got {getattr(self, name)!r}")
         taps = tuple(self.taps or ())
@@ -244,6 +245,7 @@ class Plan:
     emit_ys: bool = False
     select_ys_path: Any = False
     flush_every: Optional[int] = None
+    per_shard: bool = False
 
     @functools.cached_property
     def _fingerprint(self):
@@ -251,7 +253,7 @@ class Plan:
             fingerprint(self.select), self.sample_every, tuple(sorted(self.kinds)),
             fingerprint(self.where), self.max_depth, self.emit_carry,
             tuple(t.fingerprint() for t in self.prim_taps),
-            fingerprint(self.select_ys), self.emit_ys, self.flush_every,
+            fingerprint(self.select_ys), self.emit_ys, self.flush_every, bool(self.per_shard),
         )
 
     def fingerprint(self):
@@ -297,4 +299,5 @@ def build_plan(config: Config, *, emit_carry: bool, emit_ys: bool) -> Plan:
         emit_ys=emit_ys,
         select_ys_path=select_wants_path(select_ys) if select_ys is not None else False,
         flush_every=config.flush_every,
+        per_shard=bool(config.per_shard),
     )

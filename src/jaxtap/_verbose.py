@@ -123,7 +123,7 @@ def verbose(f: Callable, *, on_step: Optional[Callable] = None, select: Optional
             select_ys: Optional[Callable] = None, on_ys: Optional[Callable] = None,
             alert_ys: Optional[Callable] = None, alert_ys_once: bool = False,
             flush_every: Optional[int] = None, jit_events: bool = False, trace_events: bool = False,
-            max_compiles: Optional[int] = None, timeline: bool = False) -> Callable:
+            max_compiles: Optional[int] = None, timeline: bool = False, per_shard: bool = False) -> Callable:
     """Observe every ``scan`` / ``while_loop`` step of ``f``, live.
 
     Returns a function with ``f``'s name and docstring whose outputs and
@@ -190,6 +190,13 @@ def verbose(f: Callable, *, on_step: Optional[Callable] = None, select: Optional
     timeline : bool
         Keep each event's arrival time, for :meth:`FlightRecorder.timeline`
         (implied by ``jit_events`` and ``trace_events``).
+    per_shard : bool
+        Under a sharded ``jit`` whose values hold their sharding in their
+        types (explicit mesh axes, ``jax.make_mesh``'s default), ship each
+        shard's piece from its own device (events tagged ``shard``) instead
+        of gathering the selected values to one device; buffers stay
+        sharded too. Inside ``shard_map`` events are per shard anyway
+        (README, "Many devices").
 
     Examples
     --------

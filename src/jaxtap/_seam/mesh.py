@@ -20,7 +20,7 @@ from jax import lax
 
 from .versions import internal
 
-__all__ = ["shard_map_p", "manual_axes", "shard_index", "varying_like", "replicated", "inside_shard_map", "shard_map_with_body", "shard_devices", "binding_shard_map", "process_tag",
+__all__ = ["shard_map_p", "manual_axes", "shard_index", "varying_like", "replicated", "local_hop", "inside_shard_map", "shard_map_with_body", "shard_devices", "binding_shard_map", "process_tag",
            "Origin", "hop_origin"]
 
 _mesh = internal("jax._src.mesh")
@@ -33,6 +33,7 @@ shard_map_p = getattr(_shard_map_mod, "shard_map_p", None)
 class _Bound(threading.local):
     def __init__(self):
         self.meshes = []  # the meshes of the shard_maps being bound on this thread, innermost last
+        self.split_axes = None  # inside a per-shard hop: the axes its values are split along
 
 
 _BOUND = _Bound()
@@ -86,6 +87,8 @@ def _abstract_mesh():
 def manual_axes() -> tuple:
     """The mesh axes that are manual where we are tracing, in mesh order
     (empty outside ``shard_map`` / ``pmap``)."""
+    if _BOUND.split_axes is not None:
+        return _BOUND.split_axes
     am = _abstract_mesh()
     if am is None or getattr(am, "empty", True):
         return ()
@@ -114,7 +117,9 @@ def varying_like(x, ref):
     sharding = getattr(ref, "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     if mesh is not None and not getattr(mesh, "empty", True) and not getattr(mesh, "manual_axes", ()):
-        x = jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        lead = (None,) * (np.ndim(x) - len(ref.shape))  # x's leading axes (a buffer's rows) are not split
+        spec = jax.sharding.PartitionSpec(*lead, *sharding.spec)
+        x = jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, spec))
     axes = _varying(ref) - _varying(x)
     if not axes:
         return x
@@ -135,8 +140,65 @@ def replicated(x):
     return jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
 
 
+def _typed_layout(args):
+    """(mesh, specs) of traced values whose types hold their sharding (a
+    mesh with explicit axes), or None."""
+    mesh, specs = None, []
+    for a in args:
+        try:
+            sharding = jax.typeof(a).sharding
+        except Exception:  # noqa: BLE001 - a Python scalar, an untyped value
+            specs.append(jax.sharding.PartitionSpec())
+            continue
+        m = sharding.mesh
+        if getattr(m, "empty", True) or getattr(m, "manual_axes", ()):
+            specs.append(jax.sharding.PartitionSpec())
+            continue
+        if mesh is not None and m != mesh:
+            return None
+        mesh = m
+        specs.append(sharding.spec)
+    return None if mesh is None else (mesh, specs)
+
+
+def local_hop(args, stage) -> bool:
+    """Run ``stage(*local_args)`` once per shard of ``args`` (traced values
+    sharded by their types), inside a ``shard_map`` over the mesh axes they
+    are split along, so each shard ships only its own piece (no gather).
+    False (nothing staged) when no argument is sharded by its type."""
+    layout = _typed_layout(args)
+    if layout is None:
+        return False
+    mesh, specs = layout
+    used = {a for spec in specs for part in spec if part is not None
+            for a in ((part,) if isinstance(part, str) else part)}
+    if not used:
+        return False
+    split = tuple(a for a in mesh.axis_names if a in used)
+    rest = tuple(a for a in mesh.axis_names if a not in used)
+
+    def each(*local):
+        # every axis manual (JAX cannot close over values on explicit axes),
+        # one hop per distinct piece: the first device along the others
+        prev, _BOUND.split_axes = _BOUND.split_axes, split
+        try:
+            if rest:
+                lax.cond(lax.eq(shard_index(rest), np.int32(0)), lambda: (stage(*local), ())[1], lambda: ())
+            else:
+                stage(*local)
+        finally:
+            _BOUND.split_axes = prev
+        return ()
+
+    jax.shard_map(each, mesh=mesh, in_specs=tuple(specs), out_specs=())(*args)
+    return True
+
+
 def _concrete(candidate, names) -> Optional[object]:
-    devices = getattr(candidate, "devices", None)
+    try:
+        devices = getattr(candidate, "devices", None)
+    except Exception:  # noqa: BLE001 - an AbstractMesh refuses to say
+        return None
     if isinstance(devices, np.ndarray) and tuple(getattr(candidate, "axis_names", ())) == tuple(names):
         return candidate
     return None

@@ -157,6 +157,35 @@ def four():
             jax.block_until_ready(jax.jit(jax.shard_map(nanny, mesh=mesh, in_specs=P("x"), out_specs=P("x")))(x))
         jax.effects_barrier()
 
+        # review regressions: a jitted loop shared by two meshes of one shape
+        # (its trace is cached per abstract mesh: the devices must not be)
+        @jax.jit
+        def shared(c):
+            return lax.scan(lambda c, _: (c + 0.0, None), c, None, length=2)[0]
+        RESULT["shared_jit"] = []
+        for devs in (jax.devices(), jax.devices()[::-1]):
+            m = jax.make_mesh((4,), ("x",), axis_types=(AT.Auto,), devices=devs)
+            with tap.record() as rec:
+                out = jax.block_until_ready(jax.jit(jax.shard_map(shared, mesh=m, in_specs=P("x"),
+                                                                  out_specs=P("x")))(jnp.arange(4.0)))
+            RESULT["shared_jit"].append([sorted((int(e.value[0][0]), e.device) for e in rec.events if e.step == 0),
+                                         sorted((int(np.asarray(sh.data)[0]), sh.device.id)
+                                                for sh in out.addressable_shards)])
+        # a scalar carry started on no mesh, updated from explicitly sharded values
+        xe4 = jax.device_put(jnp.arange(8.0), NamedSharding(jax.make_mesh((4,), ("x",), axis_types=(AT.Explicit,)),
+                                                            P("x")))
+        two = jax.jit(lambda x: lax.scan(lambda c, _: ((c[0] * 1.1, c[1] + c[0].sum()), None),
+                                         (x, jnp.float32(0)), None, length=4)[0])
+        run("scalar_from_sharded", two, xe4, flush_every=3)
+        run("scalar_from_sharded_per_shard", two, xe4, flush_every=3, per_shard=True)
+        # rows with and without tags: a while loop around a shard_map
+        inner_sm = jax.shard_map(lambda x: scan5(x)[0], mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        wh = jax.jit(lambda x: lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, inner_sm(c[1])), (0, x))[1])
+        with tap.record() as rec:
+            jax.block_until_ready(wh(x))
+        df = rec.df()
+        RESULT["mixed_df"] = {k: str(df[k].dtype) for k in ("shard", "device")}
+
         # payloads over XLA's 100 KiB async host-copy limit: each shard's hop (and a
         # gathered sharded carry) would deadlock 4 CPU devices on 2 cores unshipped in pieces
         big = jnp.linspace(0.0, 1.0, 4 * 32768, dtype=jnp.float32)
@@ -289,6 +318,28 @@ def test_alert_lines_name_the_shard(four):
     assert "[tap] FAIL scan[0]/log[0] 3/5 [shard 2]: NaN/Inf" in fails
 
 
+def test_review_regressions(four):
+    r, _ = four
+    for tagged, actual in r["shared_jit"]:
+        assert tagged == actual  # the device that holds each shard, for both meshes
+    assert r["scalar_from_sharded"]["same"] and len(r["scalar_from_sharded"]["events"]) == 4
+    assert r["scalar_from_sharded_per_shard"]["same"] and len(r["scalar_from_sharded_per_shard"]["events"]) == 16
+    assert r["mixed_df"] == {"shard": "Int64", "device": "Int64"}
+
+
+def test_prng_key_carry_buffered_like_unbuffered():
+    import jax
+
+    step = jax.jit(lambda k: jax.lax.scan(lambda k, _: (jax.random.split(k)[0], None), k, None, length=3)[0])
+    got = []
+    for cfg in ({}, {"flush_every": 2}):
+        with tap.record(**cfg) as rec:
+            jax.block_until_ready(step(jax.random.key(0)))
+        jax.effects_barrier()
+        got.append([np.asarray(e.value[0]).tobytes() for e in rec.events])
+    assert len(got[0]) == 3 and got[0] == got[1]
+
+
 def test_large_payloads_do_not_deadlock(four):
     r, _ = four
     for name, n in (("big_shard_map", 20), ("big_shard_map_buffered", 20), ("big_sharded_jit", 5)):
@@ -355,13 +406,20 @@ def test_tags_in_event_and_line_format(tmp_path):
 
 def test_read_jsonl_merges_process_files(tmp_path):
     base = tmp_path / "run.jsonl"
-    for proc, order in ((1, [1, 0]), (0, [0, 1])):
+    for proc in (1, 0):
         with tap.JSONLWriter(str(tmp_path / f"run.p{proc}.jsonl")) as w:
-            for step in order:
-                w(tap.TapEvent("scan[0]", step, float(step), 2, process=proc))
+            for call in range(2):  # a loop called twice, an inner loop run per outer step
+                for outer in range(2):
+                    w(tap.TapEvent("scan[0]", outer, float(outer), 2, process=proc))
+                    for inner in range(3):
+                        w(tap.TapEvent("scan[0]/scan[0]", inner, float(call), 3, process=proc))
     got = tap.read_jsonl(str(base))
-    assert [(e.process, e.step) for e in got] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert len(list(tap.iter_jsonl(str(base)))) == 4
+    assert [e.process for e in got] == [0] * 16 + [1] * 16
+    mine = [(e.path, e.step, e.value) for e in got[:16]]
+    assert mine[:4] == [("scan[0]", 0, 0.0), ("scan[0]", 1, 1.0), ("scan[0]", 0, 0.0), ("scan[0]", 1, 1.0)]
+    # each run of the inner loop stays whole, runs in their order
+    assert [s for _, s, _ in mine[4:]] == [0, 1, 2] * 4 and [v for *_, v in mine[4:]] == [0.0] * 6 + [1.0] * 6
+    assert len(list(tap.iter_jsonl(str(base)))) == 32
     assert not base.exists()
 
 

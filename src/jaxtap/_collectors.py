@@ -221,7 +221,7 @@ class FlightRecorder:
         if rows or not frames:
             frames.append(pd.DataFrame(rows, columns=None if rows else base))
         if len(frames) == 1:
-            return frames[0]
+            return _int_tags(frames[0])
         kinds: dict = {}
         for fr in frames:
             for name, dt in fr.dtypes.items():
@@ -229,7 +229,7 @@ class FlightRecorder:
         mixed = [name for name, k in kinds.items() if "b" in k and len(k) > 1]
         if mixed:  # bools beside numbers: objects, as one frame of rows keeps them
             frames = [fr.astype({m: object for m in mixed if m in fr.columns}) for fr in frames]
-        df = pd.concat(frames, ignore_index=True)
+        df = _int_tags(pd.concat(frames, ignore_index=True))
         if total:  # as one frame of rows infers it: None among ints is NaN
             totals = df["total"].tolist()
             if any(t is None for t in totals) and not all(t is None for t in totals):
@@ -241,6 +241,14 @@ _BLOCK_LOCK = threading.Lock()
 
 
 _ORIGIN_COLUMNS = ("shard", "device", "process")
+
+
+def _int_tags(df):
+    """Tags on some rows only: integers with gaps (pandas' Int64), not floats."""
+    for name in _ORIGIN_COLUMNS:
+        if name in df.columns and df[name].isna().any():
+            df[name] = df[name].astype("Int64")
+    return df
 
 
 def _row(e, kind, total):

@@ -111,6 +111,8 @@ def _split_payload(value):
     dynamic, static = [], {}
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, (jax.Array, _seam.Tracer)):
+            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
+                leaf = jax.random.key_data(leaf)  # a PRNG key crosses (and is buffered) as its key data
             keep = MODE.per_shard or not isinstance(leaf, _seam.Tracer)  # per shard: the hop splits it
             dynamic.append(leaf if keep else _seam.replicated(leaf))
         elif isinstance(leaf, (np.ndarray, np.generic)):
@@ -643,8 +645,14 @@ class Buffer:
         self.layouts = layouts
         return operands
 
-    def prepare(self, state):
+    def prepare(self, state, run_one=None):
+        """Size the buffers from the loop's ``state``. With explicit sharding
+        types the values written come from the state after a step, whose
+        types can differ from the initial one's (a scalar started on no
+        mesh, updated from sharded values): ``run_one(state)`` runs a step."""
         specs = [_seam.spec_of(_seam.abstractify(x)) for x in state]
+        if run_one is not None and _seam.typed_sharding(specs):
+            specs = jax.eval_shape(lambda *st: list(run_one(list(st))), *specs)
         self.shapes = jax.eval_shape(lambda *st: self._dynamic(np.int32(0), list(st)), *specs)
 
     def row_bytes(self):

@@ -157,9 +157,17 @@ class JSONLWriter:
         self.path = process_path(base, process)
         self._fh = open(self.path, self._mode, encoding="utf-8")
         fh.close()
+        self._leave_shared_name(base)
+
+    def _leave_shared_name(self, base=None) -> None:
+        """Remove the shared ``run.jsonl`` this writer created, if empty: the
+        name stays free for the merged reading of the per-process files."""
+        if base is None:
+            base, fh, self._fh = self.path, self._fh, None
+            fh.close()
         try:
             if self._created and os.path.getsize(base) == 0:
-                os.remove(base)  # the shared name stays free for the merged reading
+                os.remove(base)
         except OSError:
             pass  # another process removed it first
 
@@ -212,6 +220,8 @@ class JSONLWriter:
 
     def close(self) -> None:
         with self._lock:
+            if not self._placed and self._fh is not None and self._created and _seam.process_tag() is not None:
+                self._leave_shared_name()  # this process wrote nothing
             if self._fh is not None:
                 try:
                     self._fh.close()
@@ -498,16 +508,28 @@ def read_jsonl(path, *, errors: str = "raise") -> List[TapEvent]:
     final line is dropped with a warning; other bad lines raise
     ``ValueError`` naming file and line, or are skipped with
     ``errors="skip"``. A multi-process run's files (``run.p0.jsonl``, ...)
-    are merged, in (process, path, step, shard) order.
+    are merged, in (process, path, step, shard) order, each run of a loop
+    (a repeated call, an inner loop's run per outer step) kept together.
     """
     events = list(iter_jsonl(path, errors=errors))
     if process_files(path):
-        events.sort(key=_merge_key)
+        events = _merged(events)
     return events
 
 
-def _merge_key(e):
-    return (-1 if e.process is None else e.process, e.path, e.step, -1 if e.shard is None else e.shard)
+def _merged(events):
+    """A multi-process run's events in (process, path, call, step, shard)
+    order: ``call`` counts the runs of a loop at one address (its steps
+    starting over), so repeated calls and inner loops keep their runs."""
+    runs, last, keys = {}, {}, []
+    for i, e in enumerate(events):
+        where = (e.process, e.path, e.kind, e.shard, e.lane)
+        if where in last and e.step <= last[where]:
+            runs[where] = runs.get(where, 0) + 1
+        last[where] = e.step
+        keys.append((-1 if e.process is None else e.process, e.path, runs.get(where, 0), e.step,
+                     -1 if e.shard is None else e.shard, i))
+    return [events[k[-1]] for k in sorted(keys)]
 
 
 def read_jsonl_columns(path, *, errors: str = "raise") -> Dict[str, np.ndarray]:

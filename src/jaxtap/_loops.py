@@ -308,7 +308,7 @@ def _drive_buffered(walker, metas, payloads, runner, k0, lane_running, nested=Fa
         buf.flush(c.row, c.buffers)
         return (c.i, s.k, c.goes_on, *c.state)
 
-    buf.prepare(runner.state)
+    buf.prepare(runner.state, lambda st: runner.advance(np.int32(0), k0, st)[1])
     # a buffer bigger than _BUFFER_BYTES flushes sooner than asked (a while
     # loop's length is unknown, and K=10**9 must not allocate 10**9 rows)
     flush = buf.capacity = max(1, min(flush, _BUFFER_BYTES // max(1, buf.row_bytes())))
@@ -329,7 +329,7 @@ def _collect(metas, payloads, runner, k, guard, into):
     when the block would make the device buffer too large)."""
     total, state = runner.total, runner.state
     buf = Buffer(metas, payloads, runner.observe, total, guard)
-    buf.prepare(state)
+    buf.prepare(state, lambda st: runner.run_until(np.int32(0), k, st)[1])
     if into.rows * total * buf.row_bytes() > _BLOCK_BYTES:
         return None
     n, n_state = np.int32(total), len(state)

@@ -535,7 +535,7 @@ def handler_for(prim):
 
 def tappable_names(jaxpr) -> dict:
     """Primitive name -> count of what the walker can reach (and so tap):
-    loop bodies, branches, jits, checkpoints, custom-derivative bodies;
-    never the inside of a primitive it binds unchanged (a linear solve's
-    operator, ``shard_map``, ``pallas_call``)."""
+    loop bodies, branches, jits, checkpoints, custom-derivative bodies,
+    ``shard_map`` bodies; never the inside of a primitive it binds unchanged
+    (a linear solve's operator, ``pallas_call``)."""
     return _seam.collect_names(jaxpr, into=ruled_names())

@@ -20,7 +20,7 @@ from jax import lax
 
 from .versions import internal
 
-__all__ = ["shard_map_p", "manual_axes", "shard_index", "varying_like", "replicated", "local_hop", "inside_shard_map", "shard_map_with_body", "shard_devices", "binding_shard_map", "process_tag",
+__all__ = ["shard_map_p", "manual_axes", "shard_index", "varying_like", "replicated", "local_hop", "typed_sharding", "inside_shard_map", "shard_map_with_body", "shard_devices", "binding_shard_map", "process_tag",
            "Origin", "hop_origin"]
 
 _mesh = internal("jax._src.mesh")
@@ -39,20 +39,43 @@ class _Bound(threading.local):
 _BOUND = _Bound()
 
 
+def _devices_state():
+    # The devices of the shard_map being bound, in the jit key: a jitted
+    # function traced inside it (its hops resolve shard -> device when
+    # traced) is traced again for another mesh of the same shape.
+    try:
+        return _config.string_or_object_state(
+            "jaxtap_mesh_devices", None, "jax-tap: the devices of the shard_map being traced (internal).",
+            include_in_jit_key=True, include_in_trace_context=True)
+    except Exception:  # noqa: BLE001 - a JAX without it: devices of cached traces may be stale
+        return None
+
+
+_DEVICES_STATE = _devices_state()
+
+
 class binding_shard_map:
     """While a ``shard_map`` is bound (its body traced) on this thread: its
     mesh, for the hops traced inside (see :func:`shard_devices`)."""
 
-    __slots__ = ("mesh",)
+    __slots__ = ("mesh", "prev")
 
     def __init__(self, params):
         self.mesh = params.get("mesh")
 
     def __enter__(self):
         _BOUND.meshes.append(self.mesh)
+        if _DEVICES_STATE is not None:
+            try:
+                ids = tuple(int(d.id) for d in self.mesh.devices.flat)
+            except Exception:  # noqa: BLE001 - an abstract mesh: the enclosing one's devices hold
+                ids = _DEVICES_STATE.value
+            self.prev = _DEVICES_STATE.swap_local(ids)
 
     def __exit__(self, *exc):
         _BOUND.meshes.pop()
+        if _DEVICES_STATE is not None:
+            _DEVICES_STATE.set_local(self.prev)
         return False
 
 
@@ -138,6 +161,16 @@ def replicated(x):
     if getattr(sharding.mesh, "empty", True) or all(p is None for p in spec):
         return x
     return jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
+
+
+def typed_sharding(specs) -> bool:
+    """Does any of ``specs`` (ShapeDtypeStructs / avals) hold a mesh in its
+    type (explicit axes)?"""
+    for spec in specs:
+        mesh = getattr(getattr(spec, "sharding", None), "mesh", None)
+        if mesh is not None and not getattr(mesh, "empty", True) and not getattr(mesh, "manual_axes", ()):
+            return True
+    return False
 
 
 def _typed_layout(args):

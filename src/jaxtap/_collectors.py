@@ -9,7 +9,7 @@ from typing import Iterator, List, Optional
 import numpy as np
 
 from ._blocks import TapBlock, frame_columns
-from ._event import TapEvent
+from ._event import TAG_FIELDS, TapEvent
 
 
 class FlightRecorder:
@@ -240,7 +240,7 @@ class FlightRecorder:
 _BLOCK_LOCK = threading.Lock()
 
 
-_ORIGIN_COLUMNS = ("shard", "device", "process")
+_ORIGIN_COLUMNS = TAG_FIELDS[1:]  # shard, device, process
 
 
 def _int_tags(df):

@@ -40,7 +40,7 @@ class shard_mode:
     __slots__ = ("on", "prev")
 
     def __init__(self, plan):
-        self.on = bool(getattr(plan, "per_shard", False))
+        self.on = plan.per_shard
 
     def __enter__(self):
         self.prev, MODE.per_shard = MODE.per_shard, self.on

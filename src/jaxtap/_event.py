@@ -6,6 +6,7 @@ from operator import itemgetter
 from typing import Any, Optional
 
 _FIELDS = ("path", "step", "value", "total", "kind", "lane", "shard", "device", "process")
+TAG_FIELDS = _FIELDS[5:]  # lane, shard, device, process: None unless the event has them
 NO_ORIGIN = (None, None, None)  # (shard, device, process) of an event from one device, one process
 KINDS = ("carry", "output", "primitive", "compile", "trace")  # compile/trace: jit-event and trace-time taps
 _tuple_new = tuple.__new__
@@ -132,7 +133,7 @@ class TapEvent(tuple):
                 f"total={self[3]!r}, kind={self[4]!r}{extra})")
 
 
-_OPTIONAL = tuple((i, _FIELDS[i]) for i in range(5, len(_FIELDS)))  # shown by repr only when set
+_OPTIONAL = tuple(enumerate(TAG_FIELDS, 5))  # shown by repr only when set
 
 
 def make_event(path, step, value, total, kind, lane=None, origin=NO_ORIGIN) -> TapEvent:

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _seam
 from ._collectors import _flatten_value
-from ._event import KINDS, TapEvent, make_event
+from ._event import KINDS, TAG_FIELDS, TapEvent, make_event
 from ._host import TapWarning, warn_once_now
 
 _ERRORS = ("raise", "skip")
@@ -67,7 +67,7 @@ def _flat_columns(value) -> dict:
     return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in row.items()}
 
 
-_TAGS = ("lane", "shard", "device", "process")
+_TAGS = TAG_FIELDS
 
 
 def _line(event) -> str:
@@ -159,12 +159,9 @@ class JSONLWriter:
         fh.close()
         self._leave_shared_name(base)
 
-    def _leave_shared_name(self, base=None) -> None:
+    def _leave_shared_name(self, base) -> None:
         """Remove the shared ``run.jsonl`` this writer created, if empty: the
         name stays free for the merged reading of the per-process files."""
-        if base is None:
-            base, fh, self._fh = self.path, self._fh, None
-            fh.close()
         try:
             if self._created and os.path.getsize(base) == 0:
                 os.remove(base)
@@ -220,14 +217,15 @@ class JSONLWriter:
 
     def close(self) -> None:
         with self._lock:
-            if not self._placed and self._fh is not None and self._created and _seam.process_tag() is not None:
-                self._leave_shared_name()  # this process wrote nothing
+            idle = not self._placed and self._fh is not None and _seam.process_tag() is not None
             if self._fh is not None:
                 try:
                     self._fh.close()
                 except Exception:  # noqa: BLE001
                     pass
                 self._fh = None
+            if idle:
+                self._leave_shared_name(self.path)  # this process wrote nothing
 
     def __enter__(self):
         return self
@@ -423,7 +421,7 @@ def iter_jsonl(path, *, errors: str = "raise") -> Iterator[TapEvent]:
     A multi-process run's files (``run.p0.jsonl``, ``run.p1.jsonl``, ...,
     see :class:`JSONLWriter`) are read as one when ``path`` names their
     shared ``run.jsonl``: process after process, each file in its order
-    (:func:`read_jsonl` sorts them by process, path and step).
+    (:func:`read_jsonl` merges them by process, path and step).
 
     Memory stays constant however long the file. A final line cut
     mid-write (a crashed or killed run) is dropped with one warning naming

@@ -470,6 +470,7 @@ if _seam.shard_map_p is not None:
             return _bind(eqn, _seam.shard_map_p, list(invals), params)
         avals, values = _threaded(scope)
         with _seam.inside_shard_map(params):
+            # (its body: an open jaxpr under "jaxpr", read as remat's is)
             closed = walker.rewrite_closed(_seam.remat_body(params), _child_scope_fn(scope, scope.prefix,
                                                                                      scope.counter), avals)
         jaxpr, consts = _seam.open_with_const_inputs(closed)

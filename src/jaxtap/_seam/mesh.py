@@ -18,10 +18,12 @@ import jax
 import numpy as np
 from jax import lax
 
+from .stack import jit_key_state
 from .versions import internal
 
-__all__ = ["shard_map_p", "manual_axes", "shard_index", "varying_like", "replicated", "local_hop", "typed_sharding", "inside_shard_map", "shard_map_with_body", "shard_devices", "binding_shard_map", "process_tag",
-           "Origin", "hop_origin"]
+__all__ = ["shard_map_p", "manual_axes", "shard_index", "varying_like", "replicated", "local_hop",
+           "typed_sharding", "inside_shard_map", "shard_map_with_body", "shard_devices", "binding_shard_map",
+           "process_tag", "Origin", "hop_origin"]
 
 _mesh = internal("jax._src.mesh")
 _distributed = internal("jax._src.distributed")
@@ -39,19 +41,11 @@ class _Bound(threading.local):
 _BOUND = _Bound()
 
 
-def _devices_state():
-    # The devices of the shard_map being bound, in the jit key: a jitted
-    # function traced inside it (its hops resolve shard -> device when
-    # traced) is traced again for another mesh of the same shape.
-    try:
-        return _config.string_or_object_state(
-            "jaxtap_mesh_devices", None, "jax-tap: the devices of the shard_map being traced (internal).",
-            include_in_jit_key=True, include_in_trace_context=True)
-    except Exception:  # noqa: BLE001 - a JAX without it: devices of cached traces may be stale
-        return None
-
-
-_DEVICES_STATE = _devices_state()
+# The devices of the shard_map being bound, in the jit key: a jitted function
+# traced inside it (its hops resolve shard -> device when traced) is traced
+# again for another mesh of the same shape.
+_DEVICES_STATE = jit_key_state("jaxtap_mesh_devices", "jax-tap: the devices of the shard_map being traced "
+                               "(internal).")
 
 
 class binding_shard_map:
@@ -124,6 +118,15 @@ def shard_index(axes: Sequence[str]):
     return lax.convert_element_type(lax.axis_index(tuple(axes)), np.int32)
 
 
+def _typed_mesh(sharding):
+    """The mesh a value's type holds (explicit axes, outside any manual
+    context), or None."""
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or getattr(mesh, "empty", True) or getattr(mesh, "manual_axes", ()):
+        return None
+    return mesh
+
+
 def _varying(x) -> frozenset:
     mat = getattr(x, "manual_axis_type", None)
     if mat is None:
@@ -138,8 +141,8 @@ def varying_like(x, ref):
     axes ``ref`` varies over, so a loop may carry both (JAX checks that a
     carry's type does not change)."""
     sharding = getattr(ref, "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is not None and not getattr(mesh, "empty", True) and not getattr(mesh, "manual_axes", ()):
+    mesh = _typed_mesh(sharding)
+    if mesh is not None:
         lead = (None,) * (np.ndim(x) - len(ref.shape))  # x's leading axes (a buffer's rows) are not split
         spec = jax.sharding.PartitionSpec(*lead, *sharding.spec)
         x = jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, spec))
@@ -166,11 +169,7 @@ def replicated(x):
 def typed_sharding(specs) -> bool:
     """Does any of ``specs`` (ShapeDtypeStructs / avals) hold a mesh in its
     type (explicit axes)?"""
-    for spec in specs:
-        mesh = getattr(getattr(spec, "sharding", None), "mesh", None)
-        if mesh is not None and not getattr(mesh, "empty", True) and not getattr(mesh, "manual_axes", ()):
-            return True
-    return False
+    return any(_typed_mesh(getattr(spec, "sharding", None)) is not None for spec in specs)
 
 
 def _typed_layout(args):
@@ -183,8 +182,8 @@ def _typed_layout(args):
         except Exception:  # noqa: BLE001 - a Python scalar, an untyped value
             specs.append(jax.sharding.PartitionSpec())
             continue
-        m = sharding.mesh
-        if getattr(m, "empty", True) or getattr(m, "manual_axes", ()):
+        m = _typed_mesh(sharding)
+        if m is None:
             specs.append(jax.sharding.PartitionSpec())
             continue
         if mesh is not None and m != mesh:

@@ -31,6 +31,7 @@ __all__ = [
     "uninstall_bind",
     "bind_is_patched",
     "TOKEN_STATE",
+    "jit_key_state",
     "can_intercept",
     "set_thread_token",
     "set_global_token",
@@ -415,23 +416,21 @@ def bind_is_patched(prim) -> bool:
 
 
 # ------------------------------------------------------------ jit-key state
-# A thread-local config state that JAX includes in every jit cache key: while
-# a with-block is active its token separates tapped from clean compilations.
-def _token_state():
+def jit_key_state(name: str, doc: str):
+    """A thread-local config state that JAX includes in every jit cache key
+    (and trace context); None, recorded in MISSING, on a JAX without them."""
     try:
-        return _config.string_or_object_state(
-            "jaxtap_tap_token",
-            None,
-            "jax-tap: the active tap configuration (internal; part of the jit key).",
-            include_in_jit_key=True,
-            include_in_trace_context=True,
-        )
-    except Exception:  # noqa: BLE001 - a JAX without it: the with-form stands aside
+        return _config.string_or_object_state(name, None, doc, include_in_jit_key=True,
+                                              include_in_trace_context=True)
+    except Exception:  # noqa: BLE001 - a JAX without it
         MISSING.append("jax._src.config.string_or_object_state")
         return None
 
 
-TOKEN_STATE = _token_state()
+# While a with-block is active its token separates tapped from clean
+# compilations (None: the with-form stands aside).
+TOKEN_STATE = jit_key_state("jaxtap_tap_token",
+                            "jax-tap: the active tap configuration (internal; part of the jit key).")
 
 
 def can_intercept() -> bool:

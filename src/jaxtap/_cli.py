@@ -135,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="under a sharded jit whose arrays carry their sharding in their types (explicit mesh "
                         "axes), ship each shard's piece from its own device instead of gathering it to one "
                         "(events tagged with their shard); inside shard_map events are per shard anyway")
+    p.add_argument("--backward", action="store_true",
+                   help="cotangent taps: a scan's backward loop (under jax.grad) reports at the forward loop's "
+                        "address, kind 'cotangent', step = the forward step; --watch-nan names NaN/Inf born in "
+                        "the backward pass as such")
     p.add_argument("--trace-events", action="store_true",
                    help="record one event per loop each time JAX traces it (carry types, weak-type "
                         "promotion, body size); adds nothing to the compiled program")
@@ -540,7 +544,8 @@ def _make_block(parser, ns, progress):
     cfg = dict(taps=taps, sample_every=ns.sample_every, max_depth=max_depth, flush_every=ns.flush_every,
                select=None if (ns.jsonl and not ns.no_values) else _steps_only,
                jit_events=ns.jit_events or bool(ns.timeline), trace_events=ns.trace_events,
-               max_compiles=ns.max_compiles, timeline=bool(ns.timeline), per_shard=ns.per_shard)
+               max_compiles=ns.max_compiles, timeline=bool(ns.timeline), per_shard=ns.per_shard,
+               backward=ns.backward)
     if not wants_carry:
         cfg["where"] = _no_loops
     if progress is not None:

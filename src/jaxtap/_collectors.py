@@ -240,20 +240,20 @@ class FlightRecorder:
 _BLOCK_LOCK = threading.Lock()
 
 
-_ORIGIN_COLUMNS = TAG_FIELDS[1:]  # shard, device, process
+_ORIGIN_COLUMNS = TAG_FIELDS[1:]  # shard, device, process, backward
 
 
 def _int_tags(df):
     """Tags on some rows only: integers with gaps (pandas' Int64), not floats."""
     for name in _ORIGIN_COLUMNS:
         if name in df.columns and df[name].isna().any():
-            df[name] = df[name].astype("Int64")
+            df[name] = df[name].astype("boolean" if name == "backward" else "Int64")
     return df
 
 
 def _row(e, kind, total):
     row = {"path": e.path, "step": e.step}
-    for name, tag in zip(_ORIGIN_COLUMNS, e[6:9]):
+    for name, tag in zip(_ORIGIN_COLUMNS, e[6:10]):
         if tag is not None:
             row[name] = tag
     if kind:
@@ -291,7 +291,7 @@ def _block_columns(block, kind, total):
     cols = {"path": [block.path] * n, "step": block.steps.astype(np.int64)}
     for name, tag in zip(_ORIGIN_COLUMNS, block.origin):
         if tag is not None:
-            cols[name] = np.full(n, tag, np.int64)
+            cols[name] = np.full(n, tag, bool if name == "backward" else np.int64)
     if kind:
         cols["kind"] = [block.kind] * n
     if total:

@@ -51,7 +51,7 @@ class shard_mode:
 
 
 class _Here(threading.local):
-    """The origin tags ``(shard, device, process)`` of the hop being
+    """The origin tags ``(shard, device, process, None)`` of the hop being
     delivered on this thread (device threads call back concurrently)."""
 
     tags = NO_ORIGIN
@@ -75,15 +75,45 @@ def _describe(leaves) -> str:
     return "\n".join(parts) or "  (no leaves)"
 
 
+class CarryLeaves(tuple):
+    """What ``select`` receives with ``backward=True``: a tuple of leaves with
+    ``.params``.
+
+    In a backward loop: the cotangent of each forward carry leaf, in the
+    forward carry's order (zeros where the backward pass carries none: a leaf
+    that does not depend on what is differentiated, or an integer), and in
+    ``.params`` the accumulated cotangents of the closed-over values the
+    gradient flows to, in the order the loop body first uses them (the
+    backward loop's own accumulators). In a forward loop: the carry leaves,
+    and ``.params == ()``, so one select serves both directions.
+
+    Examples
+    --------
+    >>> ct = CarryLeaves([1.0, 2.0], [0.5])
+    >>> ct[0], ct.params
+    (1.0, (0.5,))
+    """
+
+    def __new__(cls, leaves, params=()):
+        self = tuple.__new__(cls, leaves)
+        self.params = tuple(params)
+        return self
+
+    @property
+    def carry(self) -> tuple:
+        """The forward carry's cotangents (the tuple itself, as a plain tuple)."""
+        return tuple(self)
+
+
 def run_select(select, select_path, leaves, path, what="carry leaves"):
     """Call the user's select on device values; explain failures clearly.
 
     ``leaves`` goes in as a tuple; with ``what=None`` it is one bare array
     (a primitive tap's ``output=k``) and goes in as it is.
     """
-    value = leaves if what is None else tuple(leaves)
+    value = leaves if what is None or type(leaves) is CarryLeaves else tuple(leaves)
     if select is None:
-        return value
+        return tuple(value) if what is not None else value
     try:
         if select_path == "keyword":
             return select(value, path=path)
@@ -125,9 +155,9 @@ def _split_payload(value):
 class Meta:
     """Where one event of a tap goes (the host side of one part of a hop)."""
 
-    __slots__ = ("deliver", "path", "top", "total", "kind", "gated")
+    __slots__ = ("deliver", "path", "top", "total", "kind", "gated", "backward")
 
-    def __init__(self, deliver, path, top, total, kind, gated=False):
+    def __init__(self, deliver, path, top, total, kind, gated=False, backward=False):
         # deliver(event, top), host side; ``top`` (the top-level loop) only
         # matters to sinks that route, and those offer ``resolve`` as well
         self.deliver = deliver
@@ -138,6 +168,18 @@ class Meta:
         # gated: the payload is (fired?, value) and the event exists only if
         # it fired (a buffered tap inside a cond branch)
         self.gated = gated
+        # backward: an event of a backward loop (cotangent taps), whose
+        # counter k is the forward step total-1-k; its events say backward=True
+        self.backward = backward
+
+    def step_of(self, k):
+        """The event step of counter value(s) ``k``."""
+        return self.total - 1 - k if self.backward else k
+
+    def origin(self):
+        """The event tags of this meta in the hop being delivered."""
+        tags = _HERE.tags
+        return tags[:3] + (True,) if self.backward else tags
 
 
 class Layout(NamedTuple):
@@ -199,7 +241,7 @@ def _split_all(values):
 
 def _deliver_row(metas, layouts, guard, step, arrays, row, lane):
     """Rebuild and deliver each meta's event from host arrays (``row`` of a buffer)."""
-    offset, origin = 0, _HERE.tags
+    offset = 0
     for meta, layout in zip(metas, layouts):
         mine, offset = arrays[offset:offset + layout.n_dyn], offset + layout.n_dyn
         static = layout.static
@@ -218,7 +260,8 @@ def _deliver_row(metas, layouts, guard, step, arrays, row, lane):
                 fired, value = value
                 if not fired:
                     continue
-            meta.deliver(make_event(meta.path, step, value, meta.total, meta.kind, lane, origin), meta.top)
+            meta.deliver(make_event(meta.path, meta.step_of(step), value, meta.total, meta.kind, lane, meta.origin()),
+                         meta.top)
         except Exception as exc:  # noqa: BLE001 - totality
             guard.failed(exc)
 
@@ -235,8 +278,10 @@ def _deliver_column(meta, guard, steps, column, count, lane, rows_are_lanes=Fals
     if target is None:
         return
     deliver, path = target
-    total, kind, origin = meta.total, meta.kind, _HERE.tags
-    shard, device, process = origin
+    total, kind, origin = meta.total, meta.kind, meta.origin()
+    shard, device, process, backward = origin
+    if meta.backward:
+        steps = meta.step_of(np.asarray(steps[:count]))
     columns = getattr(deliver, "columns", None)
     if columns is not None and not rows_are_lanes:  # the consumers take columns: no objects
         if not count:
@@ -269,7 +314,7 @@ def _deliver_column(meta, guard, steps, column, count, lane, rows_are_lanes=Fals
             for step, value, ln in zip(steps[done:count], rows[done:], lanes[done:] if lanes is not None
                                        else itertools.repeat(lane, count - done)):
                 done += 1
-                deliver(_tuple_new(TapEvent, (path, step, value, total, kind, ln, shard, device, process)))
+                deliver(_tuple_new(TapEvent, (path, step, value, total, kind, ln, shard, device, process, backward)))
         except BaseException as exc:  # noqa: BLE001 - totality, as Guard
             failed(exc)
 
@@ -300,7 +345,8 @@ def _deliver_tree_block(meta, layout, guard, steps, arrays, count, lane) -> bool
     if not count:
         return True
     try:
-        columns(column_block(target[1], meta.kind, meta.total, lane, steps, arrays, layout, count, _HERE.tags))
+        steps = meta.step_of(np.asarray(steps[:count])) if meta.backward else steps
+        columns(column_block(target[1], meta.kind, meta.total, lane, steps, arrays, layout, count, meta.origin()))
     except Exception as exc:  # noqa: BLE001 - totality
         guard.failed(exc)
     return True
@@ -494,7 +540,7 @@ def _tagged(origin, arrays, deliver):
     shard = None
     if origin.axes:
         shard, arrays = int(np.asarray(arrays[0]).reshape(-1)[0]), arrays[1:]
-    prev, _HERE.tags = _HERE.tags, origin.tags(shard)
+    prev, _HERE.tags = _HERE.tags, origin.tags(shard) + (None,)
     try:
         deliver(arrays)
     finally:
@@ -600,7 +646,8 @@ class Side:
         event exists only where it is true."""
         if fired is not None:
             if not meta.gated:
-                meta = Meta(meta.deliver, meta.path, meta.top, meta.total, meta.kind, gated=True)
+                meta = Meta(meta.deliver, meta.path, meta.top, meta.total, meta.kind, gated=True,
+                            backward=meta.backward)
             value = (fired, value)
         dynamic, static, treedef, n = _split_payload(value)
         self.entries.append((meta, static, treedef, n, len(dynamic)))

@@ -5,10 +5,11 @@ import dataclasses
 from operator import itemgetter
 from typing import Any, Optional
 
-_FIELDS = ("path", "step", "value", "total", "kind", "lane", "shard", "device", "process")
-TAG_FIELDS = _FIELDS[5:]  # lane, shard, device, process: None unless the event has them
-NO_ORIGIN = (None, None, None)  # (shard, device, process) of an event from one device, one process
-KINDS = ("carry", "output", "primitive", "compile", "trace")  # compile/trace: jit-event and trace-time taps
+_FIELDS = ("path", "step", "value", "total", "kind", "lane", "shard", "device", "process", "backward")
+TAG_FIELDS = _FIELDS[5:]  # lane, shard, device, process, backward: None unless the event has them
+# (shard, device, process, backward) of a forward event from one device, one process
+NO_ORIGIN = (None, None, None, None)
+KINDS = ("carry", "output", "primitive", "compile", "trace", "cotangent")  # compile/trace: jit-event and trace-time taps
 _tuple_new = tuple.__new__
 
 
@@ -25,6 +26,7 @@ class _Shape:
     shard: Optional[int] = None
     device: Optional[int] = None
     process: Optional[int] = None
+    backward: Optional[bool] = None
 
 
 class TapEvent(tuple):
@@ -51,7 +53,8 @@ class TapEvent(tuple):
         Length of the enclosing scan; ``None`` for ``while`` loops; ``1``
         outside any loop.
     kind : str
-        ``"carry"``, ``"output"`` (scan ``ys``) or ``"primitive"``; with
+        ``"carry"``, ``"output"`` (scan ``ys``), ``"primitive"`` or
+        ``"cotangent"`` (a backward loop's step, ``backward=True``); with
         ``jit_events`` / ``trace_events``, ``"compile"`` (``step``: the
         function's compilations before this one) and ``"trace"`` (``step``:
         the loop's earlier tracings), whose ``value`` is a dict.
@@ -70,6 +73,10 @@ class TapEvent(tuple):
         Under ``jax.distributed`` with more than one process, the
         ``jax.process_index()`` of the process that received the event;
         ``None`` in a single-process run.
+    backward : bool or None
+        ``True`` for an event of the backward pass (``backward=True``
+        option): a ``"cotangent"`` event, or a primitive tap inside a
+        backward loop; ``None`` otherwise.
 
     Examples
     --------
@@ -93,11 +100,13 @@ class TapEvent(tuple):
     shard = property(itemgetter(6), doc="Shard index over shard_map's manual axes, or None.")
     device = property(itemgetter(7), doc="Id of the device that emitted it (with shard), or None.")
     process = property(itemgetter(8), doc="jax.process_index() in a multi-process run, or None.")
+    backward = property(itemgetter(9), doc="True for an event of the backward pass, or None.")
 
     def __new__(cls, path: str, step: int, value: Any, total: Optional[int] = None,
                 kind: str = "carry", lane: Optional[int] = None, shard: Optional[int] = None,
-                device: Optional[int] = None, process: Optional[int] = None) -> "TapEvent":
-        return _tuple_new(cls, (path, step, value, total, kind, lane, shard, device, process))
+                device: Optional[int] = None, process: Optional[int] = None,
+                backward: Optional[bool] = None) -> "TapEvent":
+        return _tuple_new(cls, (path, step, value, total, kind, lane, shard, device, process, backward))
 
     def __getnewargs__(self):
         return tuple(self)
@@ -139,6 +148,6 @@ _OPTIONAL = tuple(enumerate(TAG_FIELDS, 5))  # shown by repr only when set
 def make_event(path, step, value, total, kind, lane=None, origin=NO_ORIGIN) -> TapEvent:
     """Build a TapEvent on the host's hot path (equal to ``TapEvent(...)``,
     without the Python-level ``__new__`` call); ``origin`` is
-    ``(shard, device, process)``."""
-    shard, device, process = origin
-    return _tuple_new(TapEvent, (path, step, value, total, kind, lane, shard, device, process))
+    ``(shard, device, process, backward)``."""
+    shard, device, process, backward = origin
+    return _tuple_new(TapEvent, (path, step, value, total, kind, lane, shard, device, process, backward))

@@ -78,9 +78,10 @@ def fmt_total(total: Optional[int]) -> str:
 
 def at(event: TapEvent) -> str:
     """``path step/total``; just ``path`` for a primitive outside any loop;
+    ``(backward)`` after the path for an event of the backward pass;
     then ``[process P, shard S]`` for an event of many devices or processes."""
-    where = event.path if event.step == -1 and event.total is None else \
-        f"{event.path} {event.step}/{fmt_total(event.total)}"
+    path = f"{event.path} (backward)" if event[9] else event.path
+    where = path if event.step == -1 and event.total is None else f"{path} {event.step}/{fmt_total(event.total)}"
     origin = [f"{name} {tag}" for name, tag in (("process", event[8]), ("shard", event[6])) if tag is not None]
     return f"{where} [{', '.join(origin)}]" if origin else where
 

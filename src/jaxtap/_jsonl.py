@@ -72,7 +72,7 @@ _TAGS = TAG_FIELDS
 
 def _line(event) -> str:
     record = {"path": event.path, "step": event.step, "total": event.total, "kind": event.kind}
-    for name, tag in zip(_TAGS, event[5:9]):  # lane, shard, device, process: only when set
+    for name, tag in zip(_TAGS, event[5:10]):  # lane, shard, device, process, backward: only when set
         if tag is not None:
             record[name] = tag
     record.update({k: v for k, v in _flat_columns(event.value).items() if k not in record})
@@ -385,7 +385,10 @@ def _event(rec) -> TapEvent:
         raise _Bad(f"'kind' must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
     tags = [rec.get(name) for name in _TAGS]
     for name, tag in zip(_TAGS, tags):
-        if tag is not None and (not isinstance(tag, int) or isinstance(tag, bool)):
+        if name == "backward":
+            if tag is not None and tag is not True:
+                raise _Bad(f"'backward' must be true or null, got {tag!r}")
+        elif tag is not None and (not isinstance(tag, int) or isinstance(tag, bool)):
             raise _Bad(f"'{name}' must be an int or null, got {tag!r}")
     return TapEvent(path, step, value, total, kind, *tags)
 
@@ -543,7 +546,7 @@ def read_jsonl_columns(path, *, errors: str = "raise") -> Dict[str, np.ndarray]:
     for e in iter_jsonl(path, errors=errors):
         row: dict = {}
         _flatten_value(e.value, "value", row, top=True)
-        tags = [(name, tag) for name, tag in zip(_TAGS[1:], e[6:9]) if tag is not None]
+        tags = [(name, tag) for name, tag in zip(_TAGS[1:], e[6:10]) if tag is not None]
         for key, v in (("path", e.path), ("step", e.step), ("total", e.total), ("kind", e.kind), *tags,
                        *row.items()):
             col = cols.get(key)

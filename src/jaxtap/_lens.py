@@ -329,6 +329,10 @@ def _sync_patches():
                 prim = _seam.primitive_named(t.prim) if t.prim else None
                 if prim is not None and prim not in _LOOPS:
                     wanted.add(prim)
+    if any(ctx._plan.backward for ctx in _REGISTRY.active()):
+        _seam.install_backward_rules()  # which forward loop each backward scan belongs to
+    else:
+        _seam.uninstall_backward_rules()
     for prim in list(_PATCHED):
         if prim not in wanted:
             _seam.uninstall_bind(prim)
@@ -391,6 +395,7 @@ def _uninstall_all():
     for prim in list(_PATCHED) + list(_LOOPS):
         _seam.uninstall_bind(prim)
     _PATCHED.clear()
+    _seam.uninstall_backward_rules()
     _seam.monitor.watch_jit(None, None, None)
     _seam.monitor.watch_promotions(None)
 
@@ -401,8 +406,11 @@ def _make_bind(prim):
     handler = RULES.get(prim) if prim in _LOOPS else None
     expands = handler is None and _seam.impl_of(prim) is not None
     notes = prim is _seam.jit_p
+    scan = prim is _seam.scan_p
 
     def bind(*args, **params):
+        if scan:
+            _seam.note_backward_bind(params)  # a transpose rule binding a backward scan
         if _seam.BUSY.depth or not _REGISTRY.n_active:
             return _seam.bind_original(prim, args, params)
         ctx = _REGISTRY.top(threading.get_ident()) or _REGISTRY.sole()
@@ -493,7 +501,9 @@ def _intercept(prim, handler, ctx, args, params):
     path = None
     if not provisional:
         kind = "scan" if prim is _seam.scan_p else "while"
-        path = f"{kind}[{ctx._sites.index(kind, _seam.loop_site(prim, params, site))}]"
+        info = _seam.backward_info(params) if ctx._plan.backward and kind == "scan" else None
+        key = _seam.loop_site(prim, params, site) if info is None else info.forward_site  # a backward twin's
+        path = f"{kind}[{ctx._sites.index(kind, key)}]"
     times = getattr(ctx, "_times", None)
     if times is not None and times.trace_events:
         _trace_event(times, path, prim, params, site)

@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 
 from . import _seam
-from ._emit import Block, Buffer, Side, emit
+from ._emit import Block, Buffer, CarryLeaves, Side, emit
 from ._rules import bind as _bind, bool_aval as _bool_aval, both as _both, int32_aval as _int32_aval, one as _one
 from ._rules import observed, register
 from ._transform import Counter, interpret
@@ -43,8 +43,17 @@ class _ScanRewrite:
     def __init__(self, walker, eqn, params, scope, site):
         self.walker, self.eqn, self.params, self.scope = walker, eqn, params, scope
         self.body, self.nc, self.ncar, self.length = _seam.scan_parts(params)
-        self.path, self.top = scope.address("scan", _seam.loop_site(_seam.scan_p, params, site))
-        self.wants = walker.loop_wants("scan", self.path)
+        # a backward scan (cotangent taps) reports at its forward twin's address
+        info = _seam.backward_info(params) if walker.plan.backward else None
+        self.view = None if info is None else _cotangent_view(info)
+        if info is not None:
+            self.path, self.top = walker.backward_address(scope, info.forward_site)
+            self.wants = (walker.loop_wants("scan", self.path)[0], False)
+        else:
+            self.path, self.top = walker.loop_address(scope, _seam.loop_site(_seam.scan_p, params, site))
+            # a forward loop recomputed in a backward step (jax.checkpoint) is
+            # not a second forward pass
+            self.wants = (False, False) if scope.backward else walker.loop_wants("scan", self.path)
         self.emits = any(self.wants)
         plan = walker.plan
         # an inner scan no longer than K may ride in its enclosing buffered step
@@ -67,7 +76,7 @@ class _ScanRewrite:
                 return self.block
         if not self.emits and not self.walker.buffers:
             return self.thread
-        if self.length == 1 and not needs:
+        if self.length == 1 and not needs and self.view is None:
             return self.one_trip
         self._trace_step()
         if not self.emits and self.side is None:
@@ -80,7 +89,8 @@ class _ScanRewrite:
         # taps may use the vmap-aware hop (differentiable=False)
         args, lane_running = (args[:-1], args[-1]) if self.lane_flags else (args, None)
         side = Side(self.rows) if self.walker.buffers and buffered else None
-        child = self.scope.child(self.path, Counter(), counter, self.length, self.top, differentiable=False, side=side)
+        child = self.scope.child(self.path, Counter(), counter, self.length, self.top, differentiable=False, side=side,
+                                 backward=self.view is not None)
         child.lane_running = lane_running
         outs = interpret(self.walker, self.body.jaxpr, self.body.consts, list(args), child)
         if side is None:
@@ -127,7 +137,7 @@ class _ScanRewrite:
         step, collected by a callback-free driver (never differentiated),
         unless the block would make the device buffer too large."""
         return _scan_driver(self.walker, self.wants, self.params, self.stepped, self.path, self.top, invals,
-                            self.side, self.lane_running, collect=self.scope.side)
+                            self.side, self.lane_running, collect=self.scope.side, view=self.view)
 
     def one_trip(self, invals):
         """XLA inlines a one-trip loop: keep the scan as it is and observe its
@@ -141,7 +151,7 @@ class _ScanRewrite:
     def driven(self, invals):
         def run(*args):
             return _scan_driver(self.walker, self.wants, self.params, self.stepped, self.path, self.top, args,
-                                self.side, self.lane_running)
+                                self.side, self.lane_running, view=self.view)
 
         return observed(run, self._plain, invals)
 
@@ -206,7 +216,7 @@ class _Fill(NamedTuple):
     buffers: list
 
 
-def _drive(walker, wants, path, top, runner: Runner, side=None, collect=None, lane_running=None):
+def _drive(walker, wants, path, top, runner: Runner, side=None, collect=None, lane_running=None, view=None):
     """The driver: run the effect-free runner up to each sampled step, emit.
 
     With ``flush_every=K``, K sampled steps are buffered on device and cross
@@ -216,9 +226,10 @@ def _drive(walker, wants, path, top, runner: Runner, side=None, collect=None, la
     length, with no callback, and the buffer joins ``collect`` (the
     enclosing step's Side) as a Block. ``lane_running``: a lane flag; where it is
     false (a finished lane of an enclosing vmapped while loop) nothing is
-    emitted. Returns the runner's final state.
+    emitted. ``view``: a backward loop's carry as its select sees it.
+    Returns the runner's final state.
     """
-    metas, loop_payloads = walker.loop_parts(wants, path, top, runner.total)
+    metas, loop_payloads = walker.loop_parts(wants, path, top, runner.total, view)
     if side is None:
         def payloads(carry, ys, side_values):
             return loop_payloads(carry, ys)
@@ -345,7 +356,7 @@ def _collect(metas, payloads, runner, k, guard, into):
     return list(cs[2:2 + n_state])
 
 
-def _scan_driver(walker, wants, params, stepped, path, top, args, side, lane_running=None, collect=None):
+def _scan_driver(walker, wants, params, stepped, path, top, args, side, lane_running=None, collect=None, view=None):
     body, nc, ncar, length = _seam.scan_parts(params)
     reverse = _seam.scan_reverse(params)
     consts, carry, xs = args[:nc], args[nc:nc + ncar], args[nc + ncar:]
@@ -377,8 +388,19 @@ def _scan_driver(walker, wants, params, stepped, path, top, args, side, lane_run
         wants = (wants[0], False)  # a body returning (carry, None) has no outputs
     state = [*carry, *ys0, *side0]
     runner = Runner(state, run_until, lambda i, st: lax.lt(i, n), observe, length, uniform=True)
-    out = _drive(walker, wants, path, top, runner, side=side, collect=collect, lane_running=lane_running)
+    out = _drive(walker, wants, path, top, runner, side=side, collect=collect, lane_running=lane_running, view=view)
     return out[:ncar + nys]
+
+
+def _cotangent_view(info):
+    """A backward scan's carry ``[params..., carry cotangents...]`` as its
+    select sees it: :class:`CarryLeaves` in the forward carry's order."""
+    def view(carry):
+        params, cts = carry[:info.n_params], iter(carry[info.n_params:])
+        leaves = [next(cts) if nz else _seam.zeros_of(aval) for aval, nz in zip(info.carry_avals, info.carry_nz)]
+        return CarryLeaves(leaves, params)
+
+    return view
 
 
 @register(_seam.while_p)

@@ -187,6 +187,7 @@ class Config:
     max_compiles: Optional[int] = None
     timeline: bool = False
     per_shard: bool = False
+    backward: bool = False
 
     def __post_init__(self):
         for name in ("on_step", "select", "alert", "where", "select_ys", "on_ys", "alert_ys"):
@@ -195,7 +196,7 @@ class Config:
         check_max_depth(self.max_depth)
         check_flush_every(self.flush_every)
         check_max_compiles(self.max_compiles)
-        for name in ("alert_once", "alert_ys_once", "jit_events", "trace_events", "timeline", "per_shard"):
+        for name in ("alert_once", "alert_ys_once", "jit_events", "trace_events", "timeline", "per_shard", "backward"):
             if not isinstance(getattr(self, name), (bool, int)):
                 raise TypeError(f"jax-tap: `{name}` must be True or False, got {getattr(self, name)!r}")
         taps = tuple(self.taps or ())
@@ -246,6 +247,7 @@ class Plan:
     select_ys_path: Any = False
     flush_every: Optional[int] = None
     per_shard: bool = False
+    backward: bool = False
 
     @functools.cached_property
     def _fingerprint(self):
@@ -254,6 +256,7 @@ class Plan:
             fingerprint(self.where), self.max_depth, self.emit_carry,
             tuple(t.fingerprint() for t in self.prim_taps),
             fingerprint(self.select_ys), self.emit_ys, self.flush_every, bool(self.per_shard),
+            bool(self.backward),
         )
 
     def fingerprint(self):
@@ -300,4 +303,5 @@ def build_plan(config: Config, *, emit_carry: bool, emit_ys: bool) -> Plan:
         select_ys_path=select_wants_path(select_ys) if select_ys is not None else False,
         flush_every=config.flush_every,
         per_shard=bool(config.per_shard),
+        backward=bool(config.backward),
     )

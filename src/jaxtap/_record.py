@@ -84,6 +84,7 @@ def record(fn: Optional[Callable] = None, /, *, on_step: Optional[Callable] = No
            alert_ys: Optional[Callable] = None, alert_ys_once: bool = False,
            flush_every: Optional[int] = None, jit_events: bool = False, trace_events: bool = False,
            max_compiles: Optional[int] = None, timeline: bool = False, per_shard: bool = False,
+           backward: bool = False,
            maxlen: Optional[int] = None) -> Union[TapContext, Tuple[Tapped, FlightRecorder]]:
     """Record loop telemetry: as a with-block around unmodified code, or by
     wrapping a function.

@@ -105,6 +105,17 @@ def print(prim_name: str, output: Optional[int] = None, select: Optional[Callabl
     return PrimTap(prim_name, select=select, label=label, output=output, once=once, mode="print")
 
 
+def _nan_verdict(born: bool):
+    """A tripwire fired: the label, or in the backward pass (where the value
+    names the primitive and the user line) the message saying so."""
+    def verdict(value):
+        if isinstance(value, str):
+            return f"NaN/Inf born in {value}" if born else f"NaN/Inf in {value}"
+        return True
+
+    return verdict
+
+
 class PrimConsumer:
     """Host side of one primitive tap for one receiver."""
 
@@ -116,7 +127,7 @@ class PrimConsumer:
         self._lock = threading.Lock()
         if t.mode in ("nan", "nan_birth"):
             # the device ships only firings that tripped
-            self.alerter = Alerter(lambda v: True, t.once, t.label or "NaN/Inf", on_value=True,
+            self.alerter = Alerter(_nan_verdict(t.mode == "nan_birth"), t.once, t.label or "NaN/Inf", on_value=True,
                                    once_key=(lambda e: "run") if t.mode == "nan_birth" else None)
         elif t.mode == "on" and t.alert is not None:
             self.alerter = Alerter(t.alert, t.once, t.label or "alert", on_value=True)

@@ -25,7 +25,7 @@ import numpy as np
 from jax import lax
 
 from . import _seam
-from ._emit import Meta, Side, TapSelectError, emit, finite_flag, run_select
+from ._emit import CarryLeaves, Meta, Side, TapSelectError, emit, finite_flag, run_select
 from ._options import Plan, PrimTap
 from ._rules import RULES, observed, register, ruled_names
 from ._rules import bind as _bind, bool_aval as _bool_aval, both as _both, int32_aval as _int32_aval
@@ -77,7 +77,8 @@ class Counter:
 class Scope:
     """Where the walk is: address prefix, numbering, innermost loop's step."""
 
-    __slots__ = ("prefix", "counter", "in_loop", "step", "total", "top", "differentiable", "side", "lane_running")
+    __slots__ = ("prefix", "counter", "in_loop", "step", "total", "top", "differentiable", "side", "lane_running",
+                 "backward")
 
     def __init__(self, prefix, counter, in_loop, step, total, top=None, differentiable=True, side=None):
         self.prefix = prefix
@@ -95,6 +96,9 @@ class Scope:
         # a while body's own predicate: under vmap, lanes that have finished
         # still run the body, and their primitive taps must stay silent
         self.lane_running = None
+        # the innermost loop is a backward loop (cotangent taps): its step
+        # counter k is forward step total-1-k, and its events say so
+        self.backward = False
 
     def address(self, name, site):
         """(path, top) of the next `name` node at this level."""
@@ -103,8 +107,11 @@ class Scope:
             return f"{self.prefix}/{seg}", self.top
         return seg, (name, site)
 
-    def child(self, prefix, counter, step, total, top, in_loop=True, differentiable=None, side=None):
-        return Scope(prefix, counter, in_loop, step, total, top, self.differentiable if differentiable is None else differentiable, side)
+    def child(self, prefix, counter, step, total, top, in_loop=True, differentiable=None, side=None, backward=None):
+        child = Scope(prefix, counter, in_loop, step, total, top,
+                      self.differentiable if differentiable is None else differentiable, side)
+        child.backward = self.backward if backward is None else backward
+        return child
 
 
 class Sinks:
@@ -126,6 +133,9 @@ class Walker:
         self.sites = sites
         self._needs: dict = {}
         self.eager: dict = {}  # loop equation -> its tapped, jitted twin (see _lens._eager_tapped)
+        # (enclosing path, loop site) -> path of each nested forward loop, for
+        # the backward loops that report at their forward twin's address
+        self.forward_paths: dict = {}
         self._tap_names = plan.tapped_names
         self._births = [(i, t) for i, t in enumerate(plan.prim_taps) if t.prim is None]
         # with flush_every, a loop step collects what its body ships (primitive
@@ -209,13 +219,37 @@ class Walker:
 
         return _seam.trace_closed(fn, list(closed.in_avals) + list(extra_avals)), side
 
-    def loop_parts(self, wants, path, top, total):
-        """The events one loop step ships: (metas, payloads(carry, ys))."""
+    def loop_address(self, scope, site, prim_name="scan"):
+        """(path, top) of a forward loop at ``scope``, remembered for its
+        backward twin."""
+        path, top = scope.address(prim_name, site)
+        if scope.prefix:
+            if len(self.forward_paths) > 4096:
+                self.forward_paths.clear()
+            self.forward_paths[(scope.prefix, site)] = path
+        return path, top
+
+    def backward_address(self, scope, forward_site):
+        """(path, top) of a backward loop: its forward twin's address."""
+        if scope.prefix:
+            path = self.forward_paths.get((scope.prefix, forward_site))
+            if path is not None:
+                return path, scope.top
+        return scope.address("scan", forward_site)
+
+    def loop_parts(self, wants, path, top, total, view=None):
+        """The events one loop step ships: (metas, payloads(carry, ys)).
+        ``view``: a backward loop's map from its carry to what ``select``
+        receives (its events are cotangent events)."""
         p = self.plan
         metas, selects = [], []
-        if wants[0]:
+        if wants[0] and view is not None:
+            metas.append(Meta(self.sinks.carry, path, top, total, "cotangent", backward=True))
+            selects.append(lambda carry, ys: run_select(p.select, p.select_path, view(carry), path))
+        elif wants[0]:
             metas.append(Meta(self.sinks.carry, path, top, total, "carry"))
-            selects.append(lambda carry, ys: run_select(p.select, p.select_path, carry, path))
+            wrap = CarryLeaves if p.backward else tuple  # one select serves both directions
+            selects.append(lambda carry, ys: run_select(p.select, p.select_path, wrap(carry), path))
         if wants[1]:
             metas.append(Meta(self.sinks.ys, path, top, total, "output"))
             selects.append(lambda carry, ys: run_select(p.select_ys, p.select_ys_path, ys, path,
@@ -247,10 +281,10 @@ class Walker:
         for i, t in taps:
             # all outputs as a tuple, or output k as a bare array (0.3.1)
             chosen = tuple(outs) if t.output is None else _output(t, outs)
-            meta = Meta(self.sinks.prims[i], path, top, total, "primitive")
+            meta = Meta(self.sinks.prims[i], path, top, total, "primitive", backward=scope.backward)
             if t.mode == "nan":  # a tripwire crosses to the host only when it trips
                 flag = finite_flag(chosen if t.output is None else (chosen,))
-                self._emit_when(lax.bitwise_not(flag), sampled, meta, step, scope)
+                self._emit_when(lax.bitwise_not(flag), sampled, meta, step, scope, name, site)
             elif scope.side is not None:  # buffered: the loop's driver ships it
                 scope.side.add(meta, _prim_payload(t, chosen, path)())
             else:
@@ -264,12 +298,15 @@ class Walker:
                  when=when, batched_hop=not scope.differentiable)
         for i, t in births:
             born = lax.bitwise_and(finite_flag(invals), lax.bitwise_not(finite_flag(outs)))
-            meta = Meta(self.sinks.prims[i], path, top, total, "primitive")
-            self._emit_when(born, sampled, meta, step, scope)
+            meta = Meta(self.sinks.prims[i], path, top, total, "primitive", backward=scope.backward)
+            self._emit_when(born, sampled, meta, step, scope, name, site)
 
-    def _emit_when(self, flag, sampled, meta, step, scope):
+    def _emit_when(self, flag, sampled, meta, step, scope, name, site):
         when = _both(_both(flag, sampled), scope.lane_running)
-        emit([meta], lambda: [np.bool_(False)], self.sinks.guard, step=step, sample_every=1, when=when,
+        # a tripwire ships nothing but the fact; in the backward pass it names
+        # the primitive and the user line whose derivative tripped it
+        value = _seam.describe_site(name, site) if meta.backward else np.bool_(False)
+        emit([meta], lambda: [value], self.sinks.guard, step=step, sample_every=1, when=when,
              batched_hop=not scope.differentiable)
 
 

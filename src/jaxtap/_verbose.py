@@ -123,7 +123,8 @@ def verbose(f: Callable, *, on_step: Optional[Callable] = None, select: Optional
             select_ys: Optional[Callable] = None, on_ys: Optional[Callable] = None,
             alert_ys: Optional[Callable] = None, alert_ys_once: bool = False,
             flush_every: Optional[int] = None, jit_events: bool = False, trace_events: bool = False,
-            max_compiles: Optional[int] = None, timeline: bool = False, per_shard: bool = False) -> Callable:
+            max_compiles: Optional[int] = None, timeline: bool = False, per_shard: bool = False,
+            backward: bool = False) -> Callable:
     """Observe every ``scan`` / ``while_loop`` step of ``f``, live.
 
     Returns a function with ``f``'s name and docstring whose outputs and
@@ -197,6 +198,16 @@ def verbose(f: Callable, *, on_step: Optional[Callable] = None, select: Optional
         of gathering the selected values to one device; buffers stay
         sharded too. Inside ``shard_map`` events are per shard anyway
         (README, "Many devices").
+    backward : bool
+        Cotangent taps: under ``jax.grad`` / ``jax.vjp`` /
+        ``jax.linear_transpose``, the backward loop of each forward ``scan``
+        reports ``TapEvent(kind="cotangent")`` at the *forward* loop's
+        address, with ``step`` the forward step it belongs to and ``select``
+        applied to the cotangent of the forward carry (leaves in the forward
+        order; ``.params``: the accumulated cotangents of the closed-over
+        values); primitive taps in it report ``backward=True`` (README,
+        "The backward pass"). Without it a backward loop is a loop of its
+        own address (``scan[1]``), counting its own steps.
 
     Examples
     --------

@@ -16,6 +16,7 @@ each assumption and fails loudly, naming it, on a JAX that breaks one.
 * :mod:`.monitor` - compile-time signals: top-level jit calls, JAX's
   monitoring spans, weak-type promotions (jit-event and trace-time taps).
 """
+from .backward import *  # noqa: F401,F403
 from .eqns import *  # noqa: F401,F403
 from .mesh import *  # noqa: F401,F403
 from .stack import *  # noqa: F401,F403

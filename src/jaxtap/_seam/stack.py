@@ -16,6 +16,7 @@ __all__ = [
     "site_of_traceback",
     "site_of_eqn",
     "current_site",
+    "describe_site",
     "loop_site",
     "inside_loop_body_trace",
     "impl_bind_is_nested",
@@ -121,6 +122,13 @@ def site_of_eqn(eqn):
         site = ("<no user frame>", str(eqn.source_info.name_stack), eqn.primitive.name,
                 None if tb is None else _library_caller(*tb.raw_frames()))
     return site
+
+
+def describe_site(name, site) -> str:
+    """``"mul at model.py:17"``: a primitive and the user line it came from."""
+    if isinstance(site, tuple) and len(site) > 1 and isinstance(site[0], str) and isinstance(site[1], int):
+        return f"{name} at {os.path.basename(site[0])}:{site[1]}"
+    return name
 
 
 def current_site():

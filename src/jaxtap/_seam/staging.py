@@ -21,6 +21,7 @@ __all__ = [
     "while_loop",
     "empty_stack",
     "empty_like",
+    "zeros_of",
     "index_in_dim",
     "update_index_in_dim",
     "call_closed",
@@ -104,6 +105,15 @@ def empty_stack(length, aval):
 def empty_like(aval):
     """An (unspecified) array of ``aval``'s type, as scan's own buffers start."""
     return _scan_loops._empty_array((), (), aval)
+
+
+def zeros_of(aval):
+    """Zeros of ``aval``'s shape and dtype (None for a PRNG key type)."""
+    import numpy as _np
+    try:
+        return _np.zeros(aval.shape, aval.dtype)
+    except TypeError:
+        return None
 
 
 def index_in_dim(x, i):

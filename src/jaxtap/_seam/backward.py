@@ -55,7 +55,8 @@ _forwards: "collections.OrderedDict" = collections.OrderedDict()
 _by_jaxpr: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _HERE = threading.local()  # .pending: the scan a transpose rule is transposing
 _lock = threading.Lock()
-_originals: dict = {}
+_originals: dict = {}  # rule name -> JAX's own rule (never dropped)
+_installed: list = []  # (name, table, primitive, rule before) while wrapped
 
 
 def _unflagged(site):
@@ -82,18 +83,22 @@ def _remember(params, carry_nz):
 
 def _linearize(is_vjp, nzs, *primals, **params):
     out = _originals["linearize"](is_vjp, nzs, *primals, **params)
-    _remember(params, out[1][:scan_parts(params)[2]])
+    if _installed:
+        _remember(params, out[1][:scan_parts(params)[2]])
     return out
 
 
 def _jvp(primals, tangents, **params):
     out = _originals["jvp"](primals, tangents, **params)
-    ncar = scan_parts(params)[2]
-    _remember(params, [not isinstance(t, _ad.Zero) for t in out[1][:ncar]])
+    if _installed:
+        ncar = scan_parts(params)[2]
+        _remember(params, [not isinstance(t, _ad.Zero) for t in out[1][:ncar]])
     return out
 
 
 def _transpose(cts, *args, **params):
+    if not _installed:
+        return _originals["transpose"](cts, *args, **params)
     prev = getattr(_HERE, "pending", None)
     _HERE.pending = (params, current_site())
     try:
@@ -168,10 +173,18 @@ def backward_info(params) -> Optional[BackwardInfo]:
 
 
 # ------------------------------------------------------------ installation
-def _tables():
-    return {"linearize": getattr(_ad, "primitive_linearizations", None),
-            "jvp": getattr(_ad, "primitive_jvps", None),
-            "transpose": getattr(_ad, "fancy_transposes", None)}
+def _slots():
+    """(rule name, rule table, primitive) of each rule wrapped. JAX >= 0.12
+    binds a tangent scan under ``jax.vjp`` as ``vjp_node[scan]``, a
+    primitive that copied scan's transpose rule when it was made."""
+    transposes = getattr(_ad, "fancy_transposes", None)
+    slots = [("linearize", getattr(_ad, "primitive_linearizations", None), scan_p),
+             ("jvp", getattr(_ad, "primitive_jvps", None), scan_p),
+             ("transpose", transposes, scan_p)]
+    node = getattr(_ad, "vjp_node", None)
+    if node is not None and transposes is not None and scan_p is not None:
+        slots.append(("transpose", transposes, node(scan_p)))
+    return slots
 
 
 _WRAPPERS = {"linearize": _linearize, "jvp": _jvp, "transpose": _transpose}
@@ -180,23 +193,25 @@ _WRAPPERS = {"linearize": _linearize, "jvp": _jvp, "transpose": _transpose}
 def install_backward_rules() -> bool:
     """Wrap scan's linearize, JVP and transpose rules (idempotent). False on a
     JAX without them: backward scans then stay strangers."""
-    if _originals:
+    if _installed:
         return True
-    tables = _tables()
-    if scan_p is None or any(t is None or scan_p not in t for t in tables.values()):
+    slots = _slots()
+    if scan_p is None or any(table is None or prim not in table for _, table, prim in slots):
         return False
-    for name, table in tables.items():
-        _originals[name] = table[scan_p]
-        table[scan_p] = _WRAPPERS[name]
+    for name, table, prim in slots:
+        if table[prim] is not _WRAPPERS[name]:  # (a copy made while wrapped holds the wrapper)
+            _originals.setdefault(name, table[prim])  # kept: a stale copy of a wrapper still works
+        _installed.append((name, table, prim, table[prim]))
+        table[prim] = _WRAPPERS[name]
     return True
 
 
 def uninstall_backward_rules() -> None:
-    for name, table in _tables().items():
-        if name in _originals and table is not None and table.get(scan_p) is _WRAPPERS[name]:
-            table[scan_p] = _originals[name]
-    _originals.clear()
+    while _installed:
+        name, table, prim, before = _installed.pop()
+        if table.get(prim) is _WRAPPERS[name]:
+            table[prim] = before if before is not _WRAPPERS[name] else _originals[name]
 
 
 def backward_rules_installed() -> bool:
-    return bool(_originals)
+    return bool(_installed)

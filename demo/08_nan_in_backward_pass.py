@@ -10,14 +10,19 @@ is NaN. The user sees "loss: 3.2, then nan" and starts bisecting data.
 
 jax-tap: a forward NaN watch on the loss is silent - nothing is born there
 (`tap.watch_nan()` with no primitive name reports NaN/Inf *birth sites*,
-equations whose inputs are finite and whose output is not). Tapping the
-differentiated function, `tap.record(jax.grad(loss),
-taps=[tap.watch_nan("mul")])`, watches the backward loop JAX builds for the
-scan (`scan[1]`): live `[tap] FAIL` lines name the first backward step whose
-products turn non-finite. The backward loop walks the forward steps in
-reverse, so its step k is forward step T-1-k; a forward carry tap
-cross-checks that step (it is where c and x are both 0). The tapped
-gradient is bitwise the untapped one; the fix (sqrt(u + eps)) trains.
+equations whose inputs are finite and whose output is not). With cotangent
+taps, `tap.record(jax.grad(loss), backward=True,
+taps=[tap.watch_nan("mul")])` watches the backward loop JAX builds for the
+scan *at the forward loop's address*: the live line
+
+    [tap] FAIL scan[0]/mul[5] (backward) 3/12: NaN/Inf in mul at 08_nan_in_backward_pass.py:43
+
+names the forward loop, the forward step, the primitive and the line whose
+derivative produced it (the 1/(2 sqrt(0)) of sqrt's derivative, times the
+cotangent). Cotangent events (`kind="cotangent"`) show the carry's
+cotangent turning NaN at that step. A forward carry tap cross-checks the
+step (it is where c and x are both 0). The tapped gradient is bitwise the
+untapped one; the fix (sqrt(u + eps)) trains.
 """
 import sys
 
@@ -70,15 +75,17 @@ def main():
     fwd_births = [e for e in fwd.events if e.kind == "primitive"]
     print(f"forward pass watched: loss {float(value):.3f}, NaN/Inf births: {len(fwd_births)} (silent)")
 
-    print("tapping jax.grad(loss) with tap.watch_nan('mul'):")
-    grad_watched, rec = tap.record(jax.grad(loss), taps=[tap.watch_nan("mul", once=True)])
+    print("tapping jax.grad(loss) with backward=True and tap.watch_nan('mul'):")
+    grad_watched, rec = tap.record(jax.grad(loss), backward=True, select=lambda ct: ct[0],
+                                   taps=[tap.watch_nan("mul", once=True)])
     g_tapped = jax.block_until_ready(grad_watched(w0, XS))
     jax.effects_barrier()
-    fails = [e for e in rec.events if e.kind == "primitive" and e.path.startswith("scan[1]/")]
-    first = min(fails, key=lambda e: e.step)
-    forward_step = first.total - 1 - first.step
-    print(f"  first non-finite product in the backward loop at its step {first.step}/{first.total}"
-          f" = forward step {forward_step}")
+    fails = [e for e in rec.events if e.kind == "primitive" and e.backward]
+    first = max(fails, key=lambda e: e.step)  # the backward pass walks the forward steps down
+    forward_step = first.step
+    cot = {e.step: float(e.value) for e in rec.events if e.kind == "cotangent"}
+    print(f"  first non-finite product at forward step {forward_step}/{first.total} ({first.path});"
+          f" carry cotangent there: {cot[forward_step]}, one step later: {cot[forward_step + 1]}")
     g_clean = jax.grad(loss)(w0, XS)
     same = np.asarray(g_tapped).tobytes() == np.asarray(g_clean).tobytes()
     print(f"gradient {float(g_clean)}; tapped gradient bitwise identical: {same}")

@@ -765,6 +765,8 @@ def record_kwargs(prog, config, tally):
         return dict(taps=_prim_taps(prog, tally))
     if config == "buffered":
         return dict(on_step=tally.on_step, select=reduce_select, flush_every=7, taps=_prim_taps(prog, tally))
+    if config == "backward":  # cotangent taps, and tripwires in the backward loops
+        return dict(on_step=tally.on_step, select=reduce_select, backward=True)
     raise ValueError(config)
 
 
@@ -896,6 +898,7 @@ def _modes_for(i, prog):
             pairs.append(("grad2", "carry_default"))
         if i % 16 == 1:
             pairs.append(("grad", "carry_reduce"))
+        pairs.append(("with_grad", "backward"))  # cotangent taps: every differentiable program
         # forward mode, in one form each (custom_jvp/custom_vjp programs included)
         pairs.append((("jacfwd", "jit_jacfwd", "with_jacfwd")[i % 3], "carry_default"))
     # buffered streaming (flush_every, primitive taps included) in one form each

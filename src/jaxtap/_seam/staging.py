@@ -108,12 +108,12 @@ def empty_like(aval):
 
 
 def zeros_of(aval):
-    """Zeros of ``aval``'s shape and dtype (None for a PRNG key type)."""
+    """Zeros of ``aval``'s shape and dtype (uint32 for a PRNG key type)."""
     import numpy as _np
     try:
         return _np.zeros(aval.shape, aval.dtype)
-    except TypeError:
-        return None
+    except TypeError:  # an extended dtype (PRNG keys): no numpy zeros of it
+        return _np.zeros(aval.shape, _np.uint32)
 
 
 def index_in_dim(x, i):

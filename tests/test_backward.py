@@ -1,0 +1,313 @@
+"""Cotangent taps (``backward=True``): a scan's backward loop reports at its
+forward loop's address, ``kind="cotangent"``, ``step`` = the forward step,
+``select`` on the cotangent of the forward carry (``.params``: the closed-over
+values' accumulated cotangents); gradients stay bitwise."""
+import inspect
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from taputil import assert_bits, sync
+
+import jaxtap as tap
+
+T = 6
+W = jnp.float32(0.9)
+XS = jnp.linspace(0.0, 1.0, T, dtype=jnp.float32)
+
+
+def step_fn(w, c, x):
+    return jnp.sin(w * c) + x
+
+
+def loss(w, xs):
+    c, _ = jax.lax.scan(lambda c, x: (step_fn(w, c, x), None), jnp.float32(0.3), xs)
+    return c
+
+
+def carry_before(t):
+    """The forward carry entering step t (host reference)."""
+    c = jnp.float32(0.3)
+    for s in range(t):
+        c = step_fn(W, c, XS[s])
+    return c
+
+
+def cotangent_ref(t):
+    """d loss / d (carry entering step t), by differentiating the rest of the loop."""
+    rest = lambda c: jax.lax.scan(lambda c, x: (step_fn(W, c, x), None), c, XS[t:])[0]  # noqa: E731
+    return jax.grad(rest)(carry_before(t))
+
+
+def _grad_under(form, fn, **kw):
+    if form == "with":
+        with tap.record(backward=True, **kw) as rec:
+            out = sync(fn())
+        return out, rec.events
+    seen = []
+    out = sync(tap.verbose(lambda: fn(), backward=True, on_step=seen.append, **kw)())
+    return out, seen
+
+
+@pytest.mark.parametrize("form", ["with", "verbose"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_cotangent_events_at_the_forward_address_in_forward_steps(form, jit):
+    grad = jax.jit(jax.grad(loss)) if jit else jax.grad(loss)
+    ref = grad(W, XS)
+    got, events = _grad_under(form, lambda: grad(W, XS), select=lambda ct: (ct[0], ct.params))
+    assert_bits(ref, got, "gradient")
+    fwd = [e for e in events if e.kind == "carry"]
+    bwd = [e for e in events if e.kind == "cotangent"]
+    assert [e.step for e in fwd] == list(range(T))
+    assert [e.step for e in bwd] == list(range(T - 1, -1, -1))  # execution order: the forward steps, reversed
+    assert {e.path for e in events} == {"scan[0]"} and {e.total for e in events} == {T}
+    assert all(e.backward is True for e in bwd) and all(e.backward is None for e in fwd)
+    assert all(e.value[1] == () for e in fwd)  # one select serves both directions
+    for e in bwd:  # the cotangent of the carry entering forward step e.step
+        np.testing.assert_allclose(e.value[0], cotangent_ref(e.step), rtol=1e-5)
+    # .params accumulates the closed-over w's cotangent: all of it after step 0
+    np.testing.assert_allclose(bwd[-1].value[1][0], ref, rtol=1e-6)
+    assert fwd[-1] == events[T - 1]  # every forward event before the first backward one
+
+
+def test_progress_idiom_under_jit_grad_gives_n_forward_then_n_backward_events():
+    """A jax.debug.callback in a scan body under jit(grad) is hoisted out of
+    the backward pass; cotangent taps are not: N forward, then N backward."""
+    n = 50
+    xs = jnp.linspace(0.0, 1.0, n, dtype=jnp.float32)
+    with tap.record(backward=True, select=lambda _: ()) as rec:
+        sync(jax.jit(jax.grad(loss))(W, xs))
+    kinds = [e.kind for e in rec.events]
+    assert kinds == ["carry"] * n + ["cotangent"] * n
+    assert [e.step for e in rec.events] == list(range(n)) + list(range(n - 1, -1, -1))
+    assert all(e.value == () for e in rec.events)
+
+
+def test_carry_leaves_keep_the_forward_order_zeros_where_no_cotangent():
+    def f(w, xs):
+        def body(carry, x):
+            n, c, free = carry
+            return (n + 1, jnp.sin(w * c) + x, free * 2.0), None
+        (n, c, free), _ = jax.lax.scan(body, (0, jnp.float32(0.3), jnp.float32(1.0)), xs)
+        return c + free
+
+    with tap.record(backward=True) as rec:
+        g = sync(jax.grad(f)(W, XS))
+    assert_bits(jax.grad(f)(W, XS), g)
+    bwd = [e for e in rec.events if e.kind == "cotangent"]
+    assert len(bwd) == T
+    for e in bwd:
+        n, c, free = e.value
+        assert n.dtype == np.int32 and n == 0  # an integer counter has no cotangent
+        assert free == 0.0  # nor does a leaf that does not depend on w
+        np.testing.assert_allclose(c, cotangent_ref(e.step), rtol=1e-5)
+
+
+def nested_loss(w, xs):
+    def inner(c, t):
+        return jnp.sin(c * w) + t * c, jnp.sum(c)
+
+    def body(c, x):
+        c2, ys = jax.lax.scan(inner, c, x)
+        c3 = jax.lax.cond(jnp.sum(c2) > 0.0, lambda u: u * 0.5 + w, lambda u: jnp.cos(u) * w, c2)
+        return c3, jnp.sum(ys)
+
+    c, ys = jax.lax.scan(body, jnp.full((3,), 0.1, jnp.float32) * w, xs)
+    return jnp.sum(c * c) + jnp.sum(ys) * 0.01
+
+
+NXS = jnp.cos(jnp.arange(5 * 4 * 3, dtype=jnp.float32)).reshape(5, 4, 3) * 0.5
+
+
+@pytest.mark.parametrize("flush_every", [None, 3])
+def test_nested_backward_loops_report_at_their_forward_addresses(flush_every):
+    ref = jax.jit(jax.grad(nested_loss))(W, NXS)
+    with tap.record(backward=True, select=lambda ct: jnp.sum(ct[0]), flush_every=flush_every) as rec:
+        got = sync(jax.jit(jax.grad(nested_loss))(W, NXS))
+    assert_bits(ref, got)
+    bwd = [e for e in rec.events if e.kind == "cotangent"]
+    assert sorted({e.path for e in rec.events}) == ["scan[0]", "scan[0]/scan[0]"]
+    outer = [e.step for e in bwd if e.path == "scan[0]"]
+    inner = [e.step for e in bwd if e.path == "scan[0]/scan[0]"]
+    assert outer == [4, 3, 2, 1, 0]
+    assert inner == [3, 2, 1, 0] * 5
+    assert all(e.total == (5 if e.path == "scan[0]" else 4) for e in bwd)
+
+
+def test_fori_loop_with_static_bounds():
+    f = lambda w: jax.lax.fori_loop(0, 5, lambda i, c: c * w + 1.0, jnp.float32(1.0))  # noqa: E731
+    with tap.record(backward=True) as rec:
+        g = sync(jax.grad(f)(jnp.float32(2.0)))
+    assert_bits(jax.grad(f)(jnp.float32(2.0)), g)
+    bwd = [e for e in rec.events if e.kind == "cotangent"]
+    assert [e.step for e in bwd] == [4, 3, 2, 1, 0]
+    assert [float(e.value[1]) for e in bwd] == [2.0, 4.0, 8.0, 16.0, 32.0]  # d out / d c_t = w**(5-t)
+
+
+def ckpt_loss(w, xs):
+    @jax.checkpoint
+    def body(c, x):
+        c2, _ = jax.lax.scan(lambda a, t: (jnp.sin(a * w + t), None), c, x)
+        return c2, jnp.cos(c2)
+
+    c, ys = jax.lax.scan(body, jnp.ones(3, jnp.float32) * 0.1, xs)
+    return jnp.sum(c) + jnp.sum(ys)
+
+
+CXS = jnp.ones((4, 3, 3), jnp.float32) * 0.2
+
+
+def test_checkpointed_body_recomputed_forward_is_not_a_second_forward_pass():
+    ref = jax.grad(ckpt_loss)(W, CXS)
+    with tap.record(backward=True) as rec:
+        got = sync(jax.grad(ckpt_loss)(W, CXS))
+    assert_bits(ref, got)
+    count = {}
+    for e in rec.events:
+        count[e.path, e.kind] = count.get((e.path, e.kind), 0) + 1
+    assert count == {("scan[0]", "carry"): 4, ("scan[0]/scan[0]", "carry"): 12,
+                     ("scan[0]", "cotangent"): 4, ("scan[0]/scan[0]", "cotangent"): 12}
+
+
+def test_without_the_option_backward_loops_are_loops_of_their_own():
+    with tap.record() as rec:
+        sync(jax.grad(loss)(W, XS))
+    assert {e.path for e in rec.events} == {"scan[0]", "scan[1]"}
+    assert {e.kind for e in rec.events} == {"carry"} and all(e.backward is None for e in rec.events)
+
+
+def test_vmap_of_grad_tags_lanes():
+    ws = jnp.stack([W, W * 0.5])
+    ref = jax.vmap(jax.grad(loss), (0, None))(ws, XS)
+    with tap.record(backward=True, select=lambda ct: ct[0]) as rec:
+        got = sync(jax.vmap(jax.grad(loss), (0, None))(ws, XS))
+    assert_bits(ref, got)
+    bwd = [e for e in rec.events if e.kind == "cotangent"]
+    assert sorted((e.step, e.lane) for e in bwd) == sorted((t, ln) for t in range(T) for ln in (0, 1))
+    lane0 = {e.step: e.value for e in bwd if e.lane == 0}
+    for t in range(T):
+        np.testing.assert_allclose(lane0[t], cotangent_ref(t), rtol=1e-5)
+
+
+def test_vjp_and_linear_transpose():
+    with tap.record(backward=True, select=lambda ct: ct[0]) as rec:
+        out, pullback = jax.vjp(lambda w: loss(w, XS), W)
+        sync(pullback(jnp.float32(1.0)))
+    assert [e.step for e in rec.events if e.kind == "cotangent"] == list(range(T - 1, -1, -1))
+
+    def lin(x):
+        return jax.lax.scan(lambda c, t: (c * 2.0 + t * x, c), x, jnp.ones(4, jnp.float32))[0]
+
+    ref = jax.linear_transpose(lin, jnp.float32(1.0))(jnp.float32(2.0))
+    with tap.record(backward=True) as rec:
+        got = sync(jax.linear_transpose(lin, jnp.float32(1.0))(jnp.float32(2.0)))
+    assert_bits(ref, got)
+    assert [(e.path, e.step, float(e.value[0])) for e in rec.events] == [
+        ("scan[0]", 3, 4.0), ("scan[0]", 2, 8.0), ("scan[0]", 1, 16.0), ("scan[0]", 0, 32.0)]
+
+
+def exploding(w, xs):
+    def body(c, x):
+        c = jnp.sin(w * c) + x  # the derivative of this line overflows in the backward pass
+        return c, c
+    return jnp.sum(jax.lax.scan(body, jnp.float32(0.5), xs)[1])
+
+
+EXPLODE_LINE = inspect.getsourcelines(exploding)[1] + 2
+
+
+def test_watch_nan_names_a_nan_born_in_the_backward_pass(capfd):
+    """The forward pass is finite; the cotangent overflows (w=50, 100 steps):
+    the FAIL line names the forward loop, the forward step, the primitive and
+    the user line whose derivative produced it."""
+    xs = jnp.zeros(100, jnp.float32)
+    w = jnp.float32(50.0)
+    assert np.isfinite(exploding(w, xs)) and not np.isfinite(jax.grad(exploding)(w, xs))
+    with tap.record(backward=True, taps=[tap.watch_nan()]) as rec:
+        g = sync(jax.grad(exploding)(w, xs))
+    assert_bits(jax.grad(exploding)(w, xs), g)
+    fails = [e for e in rec.events if e.kind == "primitive"]
+    assert len(fails) == 1
+    e = fails[0]
+    assert e.backward is True and e.path.startswith("scan[0]/") and e.total == 100
+    assert e.value == f"{e.path.split('/')[-1].split('[')[0]} at test_backward.py:{EXPLODE_LINE}"
+    line = f"[tap] FAIL {e.path} (backward) {e.step}/100: NaN/Inf born in {e.value}"
+    assert line in capfd.readouterr().err
+    # the forward pass of the same step is finite: this is a backward birth
+    assert all(np.isfinite(v.value[0]) for v in rec.events if v.kind == "carry")
+
+
+def test_while_loop_has_no_reverse_mode_with_or_without_the_lens():
+    f = lambda w: jax.lax.while_loop(lambda c: c < 10.0, lambda c: c * w, jnp.float32(1.0))  # noqa: E731
+    with pytest.raises(ValueError) as plain:
+        jax.grad(f)(jnp.float32(2.0))
+    with tap.record(backward=True):
+        with pytest.raises(ValueError) as tapped:
+            jax.grad(f)(jnp.float32(2.0))
+    assert type(plain.value) is type(tapped.value)
+
+
+def test_jax_rules_are_jaxs_own_outside_a_backward_block():
+    from jax._src.interpreters import ad
+    from jax._src.lax.control_flow import loops
+
+    before = (ad.primitive_linearizations[loops.scan_p], ad.fancy_transposes[loops.scan_p],
+              ad.primitive_jvps[loops.scan_p])
+    with tap.record(backward=True):
+        assert ad.fancy_transposes[loops.scan_p] is not before[1]
+        sync(jax.grad(loss)(W, XS))
+    assert (ad.primitive_linearizations[loops.scan_p], ad.fancy_transposes[loops.scan_p],
+            ad.primitive_jvps[loops.scan_p]) == before
+    assert_bits(jax.grad(loss)(W, XS), jax.grad(loss)(W, XS))  # a copy made meanwhile still works
+
+
+def test_bad_backward_option_is_a_clear_error():
+    with pytest.raises(TypeError, match="backward"):
+        tap.record(backward="yes")
+
+
+def test_jsonl_and_frame_keep_the_backward_tag(tmp_path):
+    path = tmp_path / "run.jsonl"
+    with tap.record(backward=True, select=lambda ct: ct[0], on_step=tap.JSONLWriter(str(path))) as rec:
+        sync(jax.grad(loss)(W, XS))
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [x.get("backward") for x in lines] == [None] * T + [True] * T
+    back = tap.read_jsonl(str(path))
+    assert [(e.kind, e.step, e.backward) for e in back] == [(e.kind, e.step, e.backward) for e in rec.events]
+    pytest.importorskip("pandas")
+    df = rec.df(kind=True)
+    assert list(df["backward"].fillna(False)) == [False] * T + [True] * T
+    assert list(df["kind"]) == ["carry"] * T + ["cotangent"] * T
+
+
+CLI_SCRIPT = '''
+import jax, jax.numpy as jnp
+
+def loss(w, xs):
+    def body(c, x):
+        c = jnp.sin(w * c) + x
+        return c, c
+    return jnp.sum(jax.lax.scan(body, jnp.float32(0.5), xs)[1])
+
+print("grad", float(jax.jit(jax.grad(loss))(jnp.float32(50.0), jnp.zeros(100, jnp.float32))))
+'''
+
+
+def test_cli_backward_watch_nan(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "train.py").write_text(CLI_SCRIPT)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("JAX_ENABLE_X64", None)
+    r = subprocess.run([sys.executable, "-m", "jaxtap", "--backward", "--watch-nan", "--summary", "train.py"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "grad nan" in r.stdout
+    fails = [ln for ln in r.stderr.splitlines() if ln.startswith("[tap] FAIL")]
+    assert len(fails) == 1, r.stderr[-2000:]
+    assert " (backward) " in fails[0] and "/100: NaN/Inf born in " in fails[0] and "at train.py:6" in fails[0]
+    assert fails[0].startswith("[tap] FAIL scan[0]/")

@@ -60,13 +60,15 @@ def timeit(fn, args, repeats, cfg):
     return statistics.median(once() for _ in range(repeats))
 
 
+FORWARD = {"where": lambda path: path == "scan[0]"}  # (without backward=True the backward loop is scan[1])
 ARMS = [
     ("untapped", None),
-    ("forward only: record() whole carry", {}),
+    ("forward only, whole carry", FORWARD),
     ("backward=True, whole carry", {"backward": True}),
+    ("forward only, select=lambda _: ()", {**FORWARD, "select": lambda _: ()}),
     ("backward=True, progress idiom select=lambda _: ()", {"backward": True, "select": lambda _: ()}),
+    ("forward only, flush_every=100", {**FORWARD, "flush_every": 100}),
     ("backward=True, flush_every=100", {"backward": True, "flush_every": 100}),
-    ("forward only, flush_every=100", {"flush_every": 100}),
 ]
 
 
@@ -98,7 +100,8 @@ def main(argv=None):
         extra = (r["s"] - base) / a.steps
         r["extra_us_per_step"] = extra * 1e6
         r["x_floor"] = extra / floor if floor > 0 else None
-        ref = "forward only, flush_every=100" if "flush_every" in r["arm"] else "forward only: record() whole carry"
+        ref = ("forward only, flush_every=100" if "flush_every" in r["arm"] else
+               "forward only, select=lambda _: ()" if "select" in r["arm"] else "forward only, whole carry")
         back = (r["s"] - fwd[ref]) / a.steps if r["arm"].startswith("backward") else None
         r["backward_only_x_floor"] = None if back is None or floor <= 0 else back / floor
         bo = r["backward_only_x_floor"]

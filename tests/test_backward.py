@@ -159,10 +159,12 @@ def ckpt_loss(w, xs):
 CXS = jnp.ones((4, 3, 3), jnp.float32) * 0.2
 
 
-def test_checkpointed_body_recomputed_forward_is_not_a_second_forward_pass():
-    ref = jax.grad(ckpt_loss)(W, CXS)
+@pytest.mark.parametrize("where", ["body", "around the loss"])
+def test_checkpointed_body_recomputed_forward_is_not_a_second_forward_pass(where):
+    fn = ckpt_loss if where == "body" else jax.checkpoint(ckpt_loss)  # (around: JVP + partial evaluation)
+    ref = jax.grad(fn)(W, CXS)
     with tap.record(backward=True) as rec:
-        got = sync(jax.grad(ckpt_loss)(W, CXS))
+        got = sync(jax.grad(fn)(W, CXS))
     assert_bits(ref, got)
     count = {}
     for e in rec.events:
@@ -311,3 +313,22 @@ def test_cli_backward_watch_nan(tmp_path):
     assert len(fails) == 1, r.stderr[-2000:]
     assert " (backward) " in fails[0] and "/100: NaN/Inf born in " in fails[0] and "at train.py:6" in fails[0]
     assert fails[0].startswith("[tap] FAIL scan[0]/")
+
+
+@pytest.mark.parametrize("flush_every", [None, 4])
+def test_sample_every_samples_the_same_forward_steps_in_both_directions(flush_every):
+    n, every = 23, 5
+    xs = jnp.linspace(0.0, 1.0, n, dtype=jnp.float32)
+    grad = jax.jit(jax.grad(loss))
+    with tap.record(backward=True, sample_every=every, flush_every=flush_every, select=lambda ct: ct[0]) as rec:
+        g = sync(grad(W, xs))
+    assert_bits(jax.jit(jax.grad(loss))(W, xs), g)
+    want = list(range(0, n, every))
+    assert [e.step for e in rec.events if e.kind == "carry"] == want
+    assert [e.step for e in rec.events if e.kind == "cotangent"] == want[::-1]
+    # primitive taps in the backward loop sample the same forward steps (a
+    # primitive tap reads an intermediate: not part of the bitwise claim)
+    with tap.record(backward=True, sample_every=every, flush_every=flush_every, taps=[tap.on("mul")]) as rec:
+        sync(grad(W, xs))
+    prims = [e for e in rec.events if e.kind == "primitive" and e.backward]
+    assert prims and sorted({e.step for e in prims}) == want

@@ -91,6 +91,8 @@ class _ScanRewrite:
         side = Side(self.rows) if self.walker.buffers and buffered else None
         child = self.scope.child(self.path, Counter(), counter, self.length, self.top, differentiable=False, side=side,
                                  backward=self.view is not None)
+        if self.view is not None:  # primitive taps sample forward steps too
+            child.sample_offset = (self.length - 1) % self.walker.plan.sample_every
         child.lane_running = lane_running
         outs = interpret(self.walker, self.body.jaxpr, self.body.consts, list(args), child)
         if side is None:
@@ -156,9 +158,13 @@ class _ScanRewrite:
         return observed(run, self._plain, invals)
 
 
-def _next_stop(i, k):
-    """One past the next sampled step (steps 0, k, 2k, ... are sampled)."""
-    return lax.add(lax.mul(lax.div(lax.add(i, lax.sub(k, _one())), k), k), _one())
+def _next_stop(i, k, offset=0):
+    """One past the next sampled step (steps offset, offset+k, ... are
+    sampled; 0 <= offset < k)."""
+    if offset:
+        i = lax.sub(i, np.int32(offset))
+    stop = lax.add(lax.mul(lax.div(lax.add(i, lax.sub(k, _one())), k), k), _one())
+    return lax.add(stop, np.int32(offset)) if offset else stop
 
 
 class Runner(NamedTuple):
@@ -178,17 +184,21 @@ class Runner(NamedTuple):
     observe: Callable
     total: Optional[int]
     uniform: bool
+    # a backward scan samples the steps whose *forward* step total-1-i is a
+    # multiple of sample_every: i = offset, offset + k, ...
+    offset: int = 0
 
     def advance(self, i, k, state):
         """Run to the next sampled step: (i2, state2, last step run, sampled?)."""
-        i2, st2 = self.run_until(i, _next_stop(i, k), state)
+        i2, st2 = self.run_until(i, _next_stop(i, k, self.offset), state)
         last = lax.sub(i2, _one())
-        sampled = lax.bitwise_and(lax.gt(i2, i), lax.eq(lax.rem(last, k), np.int32(0)))
+        since = lax.sub(last, np.int32(self.offset)) if self.offset else last
+        sampled = lax.bitwise_and(lax.gt(i2, i), lax.eq(lax.rem(since, k), np.int32(0)))
         return i2, list(st2), last, sampled
 
     def last_sampled(self, every):
         """One past a scan's last sampled step: the driver stops there."""
-        return np.int32(((self.total - 1) // every) * every + 1)
+        return np.int32(((self.total - 1 - self.offset) // every) * every + self.offset + 1)
 
     def finish(self, i, state, every):
         """A scan's steps after its last sampled one, in one more runner call."""
@@ -387,7 +397,8 @@ def _scan_driver(walker, wants, params, stepped, path, top, args, side, lane_run
     if wants[1] and not ys0:
         wants = (wants[0], False)  # a body returning (carry, None) has no outputs
     state = [*carry, *ys0, *side0]
-    runner = Runner(state, run_until, lambda i, st: lax.lt(i, n), observe, length, uniform=True)
+    offset = (length - 1) % walker.plan.sample_every if view is not None else 0
+    runner = Runner(state, run_until, lambda i, st: lax.lt(i, n), observe, length, uniform=True, offset=offset)
     out = _drive(walker, wants, path, top, runner, side=side, collect=collect, lane_running=lane_running, view=view)
     return out[:ncar + nys]
 

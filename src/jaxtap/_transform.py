@@ -78,7 +78,7 @@ class Scope:
     """Where the walk is: address prefix, numbering, innermost loop's step."""
 
     __slots__ = ("prefix", "counter", "in_loop", "step", "total", "top", "differentiable", "side", "lane_running",
-                 "backward")
+                 "backward", "sample_offset")
 
     def __init__(self, prefix, counter, in_loop, step, total, top=None, differentiable=True, side=None):
         self.prefix = prefix
@@ -99,6 +99,7 @@ class Scope:
         # the innermost loop is a backward loop (cotangent taps): its step
         # counter k is forward step total-1-k, and its events say so
         self.backward = False
+        self.sample_offset = 0  # a backward loop's: its sampled counters are offset, offset + k, ...
 
     def address(self, name, site):
         """(path, top) of the next `name` node at this level."""
@@ -111,6 +112,7 @@ class Scope:
         child = Scope(prefix, counter, in_loop, step, total, top,
                       self.differentiable if differentiable is None else differentiable, side)
         child.backward = self.backward if backward is None else backward
+        child.sample_offset = self.sample_offset if backward is None else 0
         return child
 
 
@@ -276,7 +278,8 @@ class Walker:
         step = scope.step if scope.step is not None else np.int32(-1)
         total = scope.total if scope.in_loop else None
         every = self.plan.sample_every if scope.step is not None else 1
-        sampled = None if every == 1 else lax.eq(lax.rem(step, np.int32(every)), np.int32(0))
+        since = lax.sub(step, np.int32(scope.sample_offset)) if scope.sample_offset else step
+        sampled = None if every == 1 else lax.eq(lax.rem(since, np.int32(every)), np.int32(0))
         metas, payloads = [], []
         for i, t in taps:
             # all outputs as a tuple, or output k as a bare array (0.3.1)
@@ -292,8 +295,9 @@ class Walker:
                 payloads.append(_prim_payload(t, chosen, path))
         if metas:
             when = scope.lane_running
-            if when is not None and sampled is not None:
-                when = lax.bitwise_and(when, sampled)
+            if sampled is not None and (when is not None or scope.backward):
+                when = _both(when, sampled)  # (a backward loop's steps are gated here, not on the host)
+                every = 1
             emit(metas, lambda: [pf() for pf in payloads], self.sinks.guard, step=step, sample_every=every,
                  when=when, batched_hop=not scope.differentiable)
         for i, t in births:

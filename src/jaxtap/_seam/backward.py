@@ -117,7 +117,8 @@ def note_backward_bind(params) -> None:
     try:
         info = _info(pending[0], pending[1], params)
         if info is not None:
-            _by_jaxpr[params["jaxpr"]] = info
+            with _lock:
+                _by_jaxpr[params["jaxpr"]] = info
     except Exception:  # noqa: BLE001 - the backward scan is then a stranger, as without the lens option
         pass
 
@@ -167,8 +168,9 @@ def _tangent_dtype(aval):
 def backward_info(params) -> Optional[BackwardInfo]:
     """The forward twin of a backward scan (by its parameters), or None."""
     try:
-        return _by_jaxpr.get(params["jaxpr"])
-    except TypeError:
+        with _lock:
+            return _by_jaxpr.get(params["jaxpr"])
+    except (TypeError, KeyError):
         return None
 
 

@@ -376,3 +376,35 @@ def test_compile_time_signals_the_monitor_reads():
         monitoring._event_time_span_listeners.remove(span)
     assert (_seam.monitor.TRACE_SPAN, "seam_probe") in seen
     assert (_seam.monitor.COMPILE_SPAN, "jit(seam_probe)") in seen
+
+
+def test_scan_autodiff_rules_cotangent_taps_wrap():
+    """Cotangent taps wrap scan's linearize / JVP / transpose rules: they
+    exist, are wrapped only while a scope asks, and a transposed scan is
+    mapped to its forward twin (which carry leaves have a tangent; how many
+    leading backward carry leaves are the closed-over values' accumulators)."""
+    from jax._src.interpreters import ad
+
+    import jaxtap as tap
+
+    scan_p = _seam.scan_p
+    before = (ad.primitive_linearizations[scan_p], ad.primitive_jvps[scan_p], ad.fancy_transposes[scan_p])
+
+    def f(w):
+        def body(c, _):
+            n, x = c
+            return (n + 1, jnp.sin(w * x)), None
+        return jax.lax.scan(body, (0, jnp.float32(0.5)), None, length=3)[0][1]
+
+    registry = _seam.backward._by_jaxpr
+    registry.clear()
+    with tap.record(backward=True):
+        assert _seam.backward_rules_installed()
+        jax.make_jaxpr(jax.grad(f))(jnp.float32(0.7))
+    infos = list(registry.values())
+    assert len(infos) == 1, infos
+    info = infos[0]
+    assert info.carry_nz == (False, True) and info.n_params == 1
+    assert [str(a.dtype) for a in info.carry_avals] == ["int32", "float32"]
+    assert not _seam.backward_rules_installed()
+    assert (ad.primitive_linearizations[scan_p], ad.primitive_jvps[scan_p], ad.fancy_transposes[scan_p]) == before

@@ -11,6 +11,8 @@ each assumption and fails loudly, naming it, on a JAX that breaks one.
 * :mod:`.eqns` - primitives, their names, the parameters read and written;
 * :mod:`.staging` - trace, bind and evaluate equations as JAX does;
 * :mod:`.stack` - interception, call-stack and trace heuristics, jit-key state;
+* :mod:`.backward` - cotangent taps: scan's autodiff rules wrapped while a
+  scope asks, each backward scan mapped to its forward twin;
 * :mod:`.mesh` - many devices and processes: manual axes, shard indices,
   the device of each shard, the process;
 * :mod:`.monitor` - compile-time signals: top-level jit calls, JAX's

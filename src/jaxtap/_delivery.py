@@ -1,0 +1,228 @@
+"""Delivery: the host half of a hop, from host arrays to events and consumers.
+
+Emission (``_emit``) traces what a hop ships and creates the callback; the
+callback's host side, defined here, rebuilds each payload from host copies
+(one event per row of a buffer, or a :class:`TapBlock` of columns for the
+consumers that take them) and hands it to its sink, never raising.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+
+import jax
+import numpy as np
+
+from ._blocks import TapBlock, column_block
+from ._event import NO_ORIGIN, TapEvent, make_event
+from ._host import Guard
+
+_tuple_new = tuple.__new__
+
+
+class _Here(threading.local):
+    """The origin tags ``(shard, device, process, None)`` of the hop being
+    delivered on this thread (device threads call back concurrently)."""
+
+    tags = NO_ORIGIN
+
+
+_HERE = _Here()
+
+
+def _is_block(meta) -> bool:
+    """A whole inner scan's events (``_emit.Block``) rather than one event."""
+    return hasattr(meta, "expand")
+
+
+def _to_host(x):
+    a = np.array(x, copy=True)
+    return a[()] if a.ndim == 0 else a
+
+
+def _is_column(meta, layout) -> bool:
+    """One bare array a step for an ungated event: the hot path."""
+    return layout.bare and not _is_block(meta) and not meta.gated
+
+
+def _deliver_row(metas, layouts, guard, step, arrays, row, lane):
+    """Rebuild and deliver each meta's event from host arrays (``row`` of a buffer)."""
+    offset = 0
+    for meta, layout in zip(metas, layouts):
+        mine, offset = arrays[offset:offset + layout.n_dyn], offset + layout.n_dyn
+        static = layout.static
+        try:
+            if layout.bare and not _is_block(meta):
+                value = _own(mine[0] if row is None else mine[0][row])  # a bare array: no tree
+            else:
+                it = iter(mine)
+                leaves = [static[i] if i in static else _own(next(it) if row is None else next(it)[row])
+                          for i in range(layout.count)]
+                if _is_block(meta):
+                    meta.expand(leaves, lane, guard)
+                    continue
+                value = jax.tree_util.tree_unflatten(layout.treedef, leaves)
+            if meta.gated:
+                fired, value = value
+                if not fired:
+                    continue
+            meta.deliver(make_event(meta.path, meta.step_of(step), value, meta.total, meta.kind, lane, meta.origin()),
+                         meta.top)
+        except Exception as exc:  # noqa: BLE001 - totality
+            guard.failed(exc)
+
+
+def _deliver_column(meta, guard, steps, column, count, lane, rows_are_lanes=False):
+    """Deliver ``count`` rows of one bare array (a buffer's steps, or a vmapped
+    hop's lanes): the hot path.
+
+    A sink may offer ``resolve(path, kind, top) -> (fn, path) | None`` to route
+    a whole batch once (the with-form's block lookup and renaming); then
+    ``fn(event)`` receives each event.
+    """
+    target = _resolve(meta, guard)
+    if target is None:
+        return
+    deliver, path = target
+    total, kind, origin = meta.total, meta.kind, meta.origin()
+    shard, device, process, backward = origin
+    if meta.backward:
+        steps = meta.step_of(np.asarray(steps[:count]))
+    columns = getattr(deliver, "columns", None)
+    if columns is not None and not rows_are_lanes:  # the consumers take columns: no objects
+        if not count:
+            return
+        try:
+            columns(TapBlock(path, kind, total, lane, np.array(steps[:count]),
+                             np.array(column[:count]), origin=origin))
+        except Exception as exc:  # noqa: BLE001 - totality
+            guard.failed(exc)
+        return
+    if isinstance(steps, np.ndarray):
+        steps = steps.tolist()
+    failed = guard.failed
+    if isinstance(deliver, Guard):  # a lone on_step: call it directly, guard the whole loop
+        deliver, failed = deliver.fn, deliver.failed
+    lanes = range(count) if rows_are_lanes else None
+    # Rows of a 1-d column are fresh numpy scalars; rows of a wider one are
+    # views that must not keep the hop's buffer alive: a buffer's rows are
+    # copied one by one (an event must not pin a K-row block), a hop's lanes
+    # share one copy (a few rows).
+    if np.ndim(column) == 1:
+        rows = column[:count]
+    elif rows_are_lanes:
+        rows = list(np.array(column[:count]))
+    else:
+        rows = [_own(r) for r in column[:count]]
+    done = 0
+    while done < count:
+        try:
+            for step, value, ln in zip(steps[done:count], rows[done:], lanes[done:] if lanes is not None
+                                       else itertools.repeat(lane, count - done)):
+                done += 1
+                deliver(_tuple_new(TapEvent, (path, step, value, total, kind, ln, shard, device, process, backward)))
+        except BaseException as exc:  # noqa: BLE001 - totality, as Guard
+            failed(exc)
+
+
+def _resolve(meta, guard):
+    """(deliver, path) of a meta's batch: a sink may offer ``resolve(path,
+    kind, top) -> (fn, path) | None`` to route a whole batch once (the
+    with-form's block lookup and renaming). None: drop the batch."""
+    resolve = getattr(meta.deliver, "resolve", None)
+    if resolve is None:
+        return meta.deliver, meta.path
+    try:
+        return resolve(meta.path, meta.kind, meta.top)
+    except Exception as exc:  # noqa: BLE001 - totality
+        guard.failed(exc)
+        return None
+
+
+def _deliver_tree_block(meta, layout, guard, steps, arrays, count, lane) -> bool:
+    """One meta's buffered rows as a TapBlock, when its consumers take
+    columns; False when they want events (the caller delivers rows)."""
+    target = _resolve(meta, guard)
+    if target is None:
+        return True
+    columns = getattr(target[0], "columns", None)
+    if columns is None:
+        return False
+    if not count:
+        return True
+    try:
+        steps = meta.step_of(np.asarray(steps[:count])) if meta.backward else steps
+        columns(column_block(target[1], meta.kind, meta.total, lane, steps, arrays, layout, count, meta.origin()))
+    except Exception as exc:  # noqa: BLE001 - totality
+        guard.failed(exc)
+    return True
+
+
+def _own(x):
+    """A small host copy that keeps no larger buffer alive (0-d -> numpy scalar)."""
+    if isinstance(x, np.generic):
+        return x
+    if isinstance(x, np.ndarray):
+        return x[()] if x.ndim == 0 else x.copy()
+    return _to_host(x)
+
+
+def make_host_fn(metas, layouts, guard: Guard, sample_every, conditional=False):
+    """The host half of a per-step hop: rebuild each event, never raising.
+
+    Returns ``host(step, [flag], *arrays, lane=None)``.
+    """
+
+    single = len(metas) == 1 and layouts[0].bare
+
+    def lanes(step, *arrays):
+        """Every lane of a vmapped hop: each array has a leading lane axis."""
+        n = len(step)
+        if not single or conditional or sample_every > 1:
+            for lane in range(n):
+                host(step[lane], *[a[lane] for a in arrays], lane=lane)
+            return
+        _deliver_column(metas[0], guard, step.tolist(), arrays[0], n, lane=None, rows_are_lanes=True)
+
+    def host(step, *arrays, lane=None):
+        try:
+            if conditional:
+                # Under vmap a gating cond runs both branches for every lane:
+                # the flag says whether this lane really fired.
+                flag, arrays = arrays[0], arrays[1:]
+                if not bool(np.asarray(flag)):
+                    return
+            step = int(np.asarray(step))
+            if sample_every > 1 and step % sample_every:
+                return
+        except Exception as exc:  # noqa: BLE001 - totality
+            guard.failed(exc)
+            return
+        _deliver_row(metas, layouts, guard, step, arrays, None, lane)
+
+    host.lanes = lanes
+    return host
+
+
+def make_buffer_host(metas, layouts, guard: Guard):
+    """The host half of a buffered hop: ``count`` rows, delivered in order."""
+
+    def host(count, steps, *arrays, lane=None):
+        try:
+            count = int(np.asarray(count))
+            steps = np.asarray(steps)[:count]
+            arrays = [np.asarray(a) for a in arrays]  # one host view per buffer per hop
+        except Exception as exc:  # noqa: BLE001
+            guard.failed(exc)
+            return
+        if len(metas) == 1 and _is_column(metas[0], layouts[0]):
+            _deliver_column(metas[0], guard, steps, arrays[0], count, lane)  # the common case: a tight loop
+            return
+        if len(metas) == 1 and not _is_block(metas[0]) and not metas[0].gated:
+            if _deliver_tree_block(metas[0], layouts[0], guard, steps, arrays, count, lane):
+                return
+        steps = steps.tolist()
+        for row in range(count):
+            _deliver_row(metas, layouts, guard, steps[row], arrays, row, lane)
+
+    return host

@@ -19,7 +19,6 @@ from . import _seam
 from ._delivery import _HERE, _deliver_column, _deliver_row, _is_column, make_buffer_host, make_host_fn
 
 
-
 class _Mode(threading.local):
     """How the hops traced on this thread ship sharded values: gathered to
     one device (default), or one hop per shard (``per_shard``)."""

@@ -2,8 +2,9 @@
 
 Everything that leaves the device goes through :func:`jax.debug.callback`
 here. The device side runs the user's ``select`` (inside the sampled branch
-only), ships the array leaves of its result, and the host side rebuilds the
-pytree from host copies and hands a :class:`TapEvent` to a sink.
+only) and ships the array leaves of its result; the host side
+(:mod:`._delivery`) rebuilds the pytree from host copies and hands a
+:class:`TapEvent` to a sink.
 """
 from __future__ import annotations
 

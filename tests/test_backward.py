@@ -332,3 +332,84 @@ def test_sample_every_samples_the_same_forward_steps_in_both_directions(flush_ev
         sync(grad(W, xs))
     prims = [e for e in rec.events if e.kind == "primitive" and e.backward]
     assert prims and sorted({e.step for e in prims}) == want
+
+
+def _truncated_cotangent(body, c_t, xs_rest, out):
+    """d out(final carry) / d (carry entering the first step of xs_rest)."""
+    return jax.grad(lambda c: out(jax.lax.scan(body, c, xs_rest)[0]))(c_t)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_carry_leaf_that_never_reaches_the_loss_keeps_the_layout(jit):
+    """JAX drops the tangent of a carry leaf that never reaches the loss
+    from the backward loop (dead code): the other leaves keep their places."""
+    def body_w(w):
+        def body(c, x):
+            a, b, d = c
+            return (jnp.sin(a * w) + x, b * w, d * 0.5 + a), None  # b never reaches the loss
+        return body
+
+    c0 = (jnp.float32(0.3), jnp.float32(0.2), jnp.float32(0.1))
+    xs = XS[:3]
+    out = lambda c: c[0] + 3.0 * c[2]  # noqa: E731
+    f = lambda w: out(jax.lax.scan(body_w(w), c0, xs)[0])  # noqa: E731
+    grad = jax.jit(jax.grad(f)) if jit else jax.grad(f)
+    with tap.record(backward=True) as rec:
+        g = sync(grad(W))
+    assert_bits(grad(W), g)
+    bwd = [e for e in rec.events if e.kind == "cotangent"]
+    assert [e.step for e in bwd] == [2, 1, 0]
+    carries = [c0]
+    for x in xs:
+        carries.append(body_w(W)(carries[-1], x)[0])
+    for e in bwd:
+        ref = _truncated_cotangent(body_w(W), carries[e.step], xs[e.step:], out)
+        assert len(e.value) == 3 and e.value[1] == 0.0
+        np.testing.assert_allclose([e.value[0], e.value[2]], [ref[0], ref[2]], rtol=1e-5)
+
+
+def test_checkpointed_body_with_an_inner_reversed_scan_of_the_same_length():
+    """The forward scan recomputed inside the backward step is not taken for
+    the backward scan the transpose binds."""
+    xs = jnp.linspace(0.1, 1.0, 3, dtype=jnp.float32)
+
+    def f(w, xs):
+        @jax.checkpoint
+        def outer(c, x):
+            d = jax.lax.scan(lambda d, y: (jnp.sin(d * w) + y, None), c, xs, reverse=True)[0]
+            return d * x, None
+        return jax.lax.scan(outer, jnp.float32(0.3), xs)[0]
+
+    with tap.record(backward=True) as rec:
+        g = sync(jax.jit(jax.grad(f))(W, xs))
+    assert_bits(jax.jit(jax.grad(f))(W, xs), g)
+    count = {}
+    for e in rec.events:
+        count[e.path, e.kind] = count.get((e.path, e.kind), 0) + 1
+    assert count == {("scan[0]", "carry"): 3, ("scan[0]/scan[0]", "carry"): 9,
+                     ("scan[0]", "cotangent"): 3, ("scan[0]/scan[0]", "cotangent"): 9}
+
+
+def test_a_select_returning_what_it_received_ships_leaves_and_params():
+    with tap.record(backward=True, select=lambda ct: ct) as rec:
+        sync(jax.grad(loss)(W, XS))
+    last = rec.events[-1]
+    assert last.kind == "cotangent" and isinstance(last.value[0], np.floating)
+    np.testing.assert_allclose(last.value.params[0], jax.grad(loss)(W, XS), rtol=1e-6)
+    assert rec.events[0].value.params == ()
+
+
+def test_a_prng_key_carry_leaf_reads_as_zero_key_data():
+    def f(w):
+        def body(c, _):
+            key, x = c
+            key, sub = jax.random.split(key)
+            return (key, jnp.sin(w * x) + jax.random.normal(sub)), None
+        return jax.lax.scan(body, (jax.random.key(0), jnp.float32(0.5)), None, length=3)[0][1]
+
+    with tap.record(backward=True) as rec:
+        sync(jax.grad(f)(W))
+    bwd = [e for e in rec.events if e.kind == "cotangent"]
+    assert len(bwd) == 3
+    for e in bwd:
+        assert e.value[0].dtype == np.uint32 and e.value[0].shape == (2,) and not e.value[0].any()

@@ -6,6 +6,7 @@ identical and in step order, and the program's outputs must be bitwise those
 of the untapped program.
 """
 import threading
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -379,3 +380,27 @@ def test_a_huge_k_does_not_allocate_huge_buffers(hops):
             sync(jax.jit(f)(jnp.ones(3)))
         assert [e.step for e in rec.events] == list(range(5 if f is w else 50))
     assert hops[0] == 2
+
+
+def test_buffered_scan_inside_a_cond_branch_inside_a_scan_rides_when_the_branch_ran():
+    """An inner scan no longer than K in a cond branch rides in its outer
+    step's buffer, gated on the branch having run (it used to fail to tap)."""
+    xs = jnp.linspace(0.0, 1.0, 7, dtype=jnp.float32)
+
+    def f(w, xs):
+        def outer(c, x):
+            inner = lambda c: jax.lax.scan(lambda d, y: (jnp.sin(d * w) + y, None), c, xs[:3])[0]  # noqa: E731
+            return jax.lax.cond(x > 0.5, inner, lambda c: c * w, c), None
+        return jax.lax.scan(outer, jnp.float32(0.3), xs)[0]
+
+    ref = jax.jit(f)(jnp.float32(0.9), xs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with tap.record(flush_every=3) as rec:
+            got = jax.block_until_ready(jax.jit(f)(jnp.float32(0.9), xs))
+            jax.effects_barrier()
+    assert np.asarray(ref).tobytes() == np.asarray(got).tobytes()
+    outer = [e.step for e in rec.events if e.path == "scan[0]"]
+    inner = [e.step for e in rec.events if e.path == "scan[0]/scan[0]"]
+    assert outer == list(range(7))
+    assert inner == [0, 1, 2] * int((xs > 0.5).sum())  # only the steps whose branch ran

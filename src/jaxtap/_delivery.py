@@ -59,6 +59,10 @@ def _deliver_row(metas, layouts, guard, step, arrays, row, lane):
                 leaves = [static[i] if i in static else _own(next(it) if row is None else next(it)[row])
                           for i in range(layout.count)]
                 if _is_block(meta):
+                    if meta.gated:  # a scan inside a cond branch: did the branch run?
+                        fired, leaves = leaves[0], leaves[1:]
+                        if not fired:
+                            continue
                     meta.expand(leaves, lane, guard)
                     continue
                 value = jax.tree_util.tree_unflatten(layout.treedef, leaves)

@@ -93,6 +93,11 @@ class CarryLeaves(tuple):
         return tuple(self)
 
 
+# a select may return what it received: it crosses as its leaves and .params
+jax.tree_util.register_pytree_node(
+    CarryLeaves, lambda x: (tuple(x) + x.params, len(x)), lambda n, kids: CarryLeaves(kids[:n], kids[n:]))
+
+
 def run_select(select, select_path, leaves, path, what="carry leaves"):
     """Call the user's select on device values; explain failures clearly.
 
@@ -189,13 +194,13 @@ class Block:
     events (and nested blocks), so the inner loop needs no callback at all.
     """
 
-    __slots__ = ("length", "metas", "layouts")
-    gated = False
+    __slots__ = ("length", "metas", "layouts", "gated")
 
-    def __init__(self, metas, layouts, length):
+    def __init__(self, metas, layouts, length, gated=False):
         self.metas = list(metas)  # one step's entries (Meta or Block) ...
         self.layouts = list(layouts)  # ... and their Layouts
         self.length = length
+        self.gated = gated  # its payload is (ran?, arrays): a scan in a cond branch
 
     def expand(self, arrays, lane, guard):
         """Deliver every step of ``arrays`` (host, one per value, steps leading)."""
@@ -440,7 +445,9 @@ class Side:
         """Record ``value`` for ``meta``; with ``fired`` (traced bool), the
         event exists only where it is true."""
         if fired is not None:
-            if not meta.gated:
+            if isinstance(meta, Block) and not meta.gated:
+                meta = Block(meta.metas, meta.layouts, meta.length, gated=True)
+            elif not meta.gated:
                 meta = Meta(meta.deliver, meta.path, meta.top, meta.total, meta.kind, gated=True,
                             backward=meta.backward)
             value = (fired, value)

@@ -6,11 +6,16 @@ scan's *linearization* (``jax.grad``, ``jax.vjp``) or *JVP* (under
 leaves have a tangent; the *transpose* of the tangent scan then binds the
 backward scan, whose carry is ``[accumulated cotangents of the closed-over
 values with a tangent, cotangents of the forward carry leaves with a
-tangent]``. While a lens asks for cotangent taps, jax-tap wraps those three
+tangent]``. Dead-code elimination may drop tangent carry leaves in
+between. While a lens asks for cotangent taps, jax-tap wraps those four
 rules (the wrappers return exactly what the rules return) to learn, for each
 backward scan, its forward twin's source site and how its carry maps onto
 the forward carry: a :class:`BackwardInfo`, found again by
-:func:`backward_info` from the backward scan's parameters.
+:func:`backward_info` from the backward scan's parameters. The tangent
+scan's own body carries the exact map through elimination (its *lineage*);
+where JAX stages it otherwise (``jax.checkpoint``), the forward twin's
+record decides, by source site and types, and a backward scan whose map is
+not certain stays a loop of its own address rather than be mislabelled.
 """
 from __future__ import annotations
 
@@ -20,13 +25,14 @@ import weakref
 from typing import NamedTuple, Optional
 
 from .eqns import scan_p, scan_parts
-from .stack import current_site, loop_site
+from .stack import bound_by_transpose, current_site, loop_site
 from .versions import internal
 
 __all__ = ["BackwardInfo", "backward_info", "note_backward_bind", "install_backward_rules",
            "uninstall_backward_rules", "backward_rules_installed"]
 
 _ad = internal("jax._src.interpreters.ad")
+_pe = internal("jax._src.interpreters.partial_eval")
 
 
 class BackwardInfo(NamedTuple):
@@ -52,7 +58,9 @@ class _Forward(NamedTuple):
 
 _RECENT = 256  # forward loops remembered (by source site) for their backward twins
 _forwards: "collections.OrderedDict" = collections.OrderedDict()
-_by_jaxpr: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_by_jaxpr: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # backward scan body -> BackwardInfo
+# tangent scan body -> (forward loop, the forward carry leaf of each of its carry leaves)
+_lineage: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _HERE = threading.local()  # .pending: the scan a transpose rule is transposing
 _lock = threading.Lock()
 _originals: dict = {}  # rule name -> JAX's own rule (never dropped)
@@ -67,6 +75,8 @@ def _unflagged(site):
 
 
 def _remember(params, carry_nz):
+    """A forward scan was linearized (or JVP'd): which carry leaves have a
+    tangent. Kept by source site for its backward twin; returns it."""
     try:
         body, nc, ncar, _ = scan_parts(params)
         site = current_site()
@@ -77,15 +87,44 @@ def _remember(params, carry_nz):
             _forwards[key] = (fwd,) + tuple(f for f in seen if f != fwd)[:3]
             while len(_forwards) > _RECENT:
                 _forwards.popitem(last=False)
+        return fwd
     except Exception:  # noqa: BLE001 - telemetry never breaks differentiation
+        return None
+
+
+def _note_lineage(jaxpr, fwd, leaves):
+    """``jaxpr``'s scan carries forward carry leaves ``leaves`` of ``fwd``."""
+    try:
+        with _lock:
+            _lineage[jaxpr] = (fwd, tuple(leaves))
+    except TypeError:
         pass
+
+
+def _lineage_of(jaxpr):
+    try:
+        with _lock:
+            return _lineage.get(jaxpr)
+    except TypeError:
+        return None
 
 
 def _linearize(is_vjp, nzs, *primals, **params):
     out = _originals["linearize"](is_vjp, nzs, *primals, **params)
     if _installed:
-        _remember(params, out[1][:scan_parts(params)[2]])
+        fwd = _remember(params, out[1][:scan_parts(params)[2]])
+        tangent = _closure_value(out[-1], "tangent_jaxpr")  # the tangent scan's body, bound later
+        if fwd is not None and tangent is not None:
+            _note_lineage(tangent, fwd, [i for i, nz in enumerate(fwd.carry_nz) if nz])
     return out
+
+
+def _closure_value(fn, name):
+    """The value ``fn`` closes over as ``name``, or None."""
+    try:
+        return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))[name]
+    except Exception:  # noqa: BLE001 - another JAX: the source site decides instead
+        return None
 
 
 def _jvp(primals, tangents, **params):
@@ -94,6 +133,24 @@ def _jvp(primals, tangents, **params):
         ncar = scan_parts(params)[2]
         _remember(params, [not isinstance(t, _ad.Zero) for t in out[1][:ncar]])
     return out
+
+
+def _dce(*args):
+    """Dead-code elimination drops a tangent scan's unused carry leaves: the
+    pruned scan keeps the lineage of the leaves it still carries.
+    (``(used_outputs, eqn)``; JAX >= 0.12: ``(used_outputs, live_ins, eqn)``.)"""
+    used_inputs, new_eqn = _originals["dce"](*args)
+    eqn = args[-1]
+    if _installed and new_eqn is not None:
+        known = _lineage_of(eqn.params.get("jaxpr"))
+        if known is not None:
+            try:
+                _, nc, ncar, _ = scan_parts(eqn.params)
+                kept = [leaf for leaf, used in zip(known[1], used_inputs[nc:nc + ncar]) if used]
+                _note_lineage(new_eqn.params["jaxpr"], known[0], kept)
+            except Exception:  # noqa: BLE001
+                pass
+    return used_inputs, new_eqn
 
 
 def _transpose(cts, *args, **params):
@@ -108,10 +165,12 @@ def _transpose(cts, *args, **params):
 
 
 def note_backward_bind(params) -> None:
-    """Called on every scan bind while the rules are wrapped: a scan bound by
-    a transpose rule is a backward scan; remember what it maps to."""
+    """Called on every scan bind while the rules are wrapped: the scan that a
+    transpose rule binds itself is a backward scan; remember what it maps to
+    (a loop bound while the transposed body is traced, e.g. a checkpointed
+    body's recomputed forward loop, is not)."""
     pending = getattr(_HERE, "pending", None)
-    if pending is None or not _transposes(pending[0], params):
+    if pending is None or not bound_by_transpose():
         return
     _HERE.pending = None  # the transpose binds one scan
     try:
@@ -123,33 +182,60 @@ def note_backward_bind(params) -> None:
         pass
 
 
-def _transposes(tparams, bparams) -> bool:
-    """Is ``bparams`` the transpose of ``tparams`` (and not a loop bound while
-    the transposed body was traced, e.g. a checkpointed body's recomputed
-    forward loop)?"""
-    try:
-        from .eqns import scan_reverse
-        return (scan_parts(bparams)[3] == scan_parts(tparams)[3]
-                and scan_reverse(bparams) != scan_reverse(tparams)
-                and scan_parts(bparams)[2] >= scan_parts(tparams)[2])
-    except Exception:  # noqa: BLE001
-        return False
-
-
 def _info(tparams, site, bparams) -> Optional[BackwardInfo]:
-    _, _, t_ncar, _ = scan_parts(tparams)  # the scan being transposed: its carry is linear
-    b_body, b_nc, b_ncar, _ = scan_parts(bparams)
-    tangent_avals = [a for a in b_body.in_avals[b_nc + b_ncar - t_ncar:b_nc + b_ncar]]
+    """How the backward scan ``bparams`` (the transpose of ``tparams``, bound
+    at ``site``) maps onto its forward loop; None when that is not certain
+    (it then stays a loop of its own address)."""
+    t_body, t_nc, t_ncar, _ = scan_parts(tparams)  # the scan being transposed: its carry is linear
+    _, _, b_ncar, _ = scan_parts(bparams)
+    n_params = b_ncar - t_ncar
+    known = _lineage_of(tparams["jaxpr"])
+    if known is not None and len(known[1]) == t_ncar:
+        fwd, leaves = known
+        nz = tuple(i in leaves for i in range(len(fwd.carry_avals)))
+        return BackwardInfo(fwd.site, fwd.carry_avals, nz, n_params)
+    tangent_avals = list(t_body.in_avals[t_nc:t_nc + t_ncar])
     with _lock:
         candidates = _forwards.get(_unflagged(site), ())
     for fwd in candidates:
-        nz = fwd.carry_nz
-        if sum(nz) == t_ncar and _same_types([a for a, z in zip(fwd.carry_avals, nz) if z], tangent_avals):
-            return BackwardInfo(fwd.site, fwd.carry_avals, nz, b_ncar - t_ncar)
-    # no linearization seen (jax.linear_transpose): the transposed scan is the user's own
-    t_body, t_nc, _, _ = scan_parts(tparams)
-    avals = tuple(t_body.in_avals[t_nc:t_nc + t_ncar])
-    return BackwardInfo(loop_site(scan_p, tparams, _unflagged(site)), avals, (True,) * t_ncar, b_ncar - t_ncar)
+        nz = _subsequence(fwd, tangent_avals)
+        if nz is not None:
+            return BackwardInfo(fwd.site, fwd.carry_avals, nz, n_params)
+    if candidates:
+        return None  # a forward twin whose layout this cannot be told from: a stranger, never mislabelled
+    # no forward loop seen (jax.linear_transpose): the transposed scan is the user's own
+    avals = tuple(tangent_avals)
+    return BackwardInfo(loop_site(scan_p, tparams, _unflagged(site)), avals, (True,) * t_ncar, n_params)
+
+
+def _subsequence(fwd, tangent_avals):
+    """Which forward carry leaves the tangent carry holds: its tangent leaves
+    as recorded, or (some pruned since) the only way to pick them by type;
+    None when there is no such way, or more than one."""
+    nz = fwd.carry_nz
+    with_tangent = [i for i, z in enumerate(nz) if z]
+    if len(with_tangent) == len(tangent_avals):
+        if _same_types([fwd.carry_avals[i] for i in with_tangent], tangent_avals):
+            return nz
+        return None
+    picks = _picks(with_tangent, [fwd.carry_avals[i] for i in with_tangent], tangent_avals, limit=2)
+    if len(picks) != 1:
+        return None
+    return tuple(i in picks[0] for i in range(len(nz)))
+
+
+def _picks(indices, avals, wanted, limit):
+    """Up to ``limit`` ways to choose ``wanted``'s types, in order, from ``avals``."""
+    if not wanted:
+        return [()]
+    out = []
+    for k in range(len(avals) - len(wanted) + 1):
+        if _same_types([avals[k]], wanted[:1]):
+            for rest in _picks(indices[k + 1:], avals[k + 1:], wanted[1:], limit - len(out)):
+                out.append((indices[k],) + rest)
+                if len(out) >= limit:
+                    return out
+    return out
 
 
 def _same_types(forward, tangent) -> bool:
@@ -182,6 +268,7 @@ def _slots():
     transposes = getattr(_ad, "fancy_transposes", None)
     slots = [("linearize", getattr(_ad, "primitive_linearizations", None), scan_p),
              ("jvp", getattr(_ad, "primitive_jvps", None), scan_p),
+             ("dce", getattr(_pe, "dce_rules", None), scan_p),
              ("transpose", transposes, scan_p)]
     node = getattr(_ad, "vjp_node", None)
     if node is not None and transposes is not None and scan_p is not None:
@@ -189,7 +276,7 @@ def _slots():
     return slots
 
 
-_WRAPPERS = {"linearize": _linearize, "jvp": _jvp, "transpose": _transpose}
+_WRAPPERS = {"linearize": _linearize, "jvp": _jvp, "dce": _dce, "transpose": _transpose}
 
 
 def install_backward_rules() -> bool:

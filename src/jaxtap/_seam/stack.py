@@ -17,6 +17,7 @@ __all__ = [
     "site_of_eqn",
     "current_site",
     "describe_site",
+    "bound_by_transpose",
     "loop_site",
     "inside_loop_body_trace",
     "impl_bind_is_nested",
@@ -235,6 +236,12 @@ def _binder_name() -> str:
     while frame is not None and frame.f_code.co_filename.startswith(_HERE):
         frame = frame.f_back
     return "" if frame is None else frame.f_code.co_name
+
+
+def bound_by_transpose() -> bool:
+    """Is the loop being bound right now bound by scan's transpose rule
+    itself (a backward scan), not by code it traces on the way?"""
+    return _binder_name().startswith("_scan_transpose")
 
 
 def barrier_here():

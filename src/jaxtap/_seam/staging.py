@@ -112,8 +112,9 @@ def zeros_of(aval):
     import numpy as _np
     try:
         return _np.zeros(aval.shape, aval.dtype)
-    except TypeError:  # an extended dtype (PRNG keys): no numpy zeros of it
-        return _np.zeros(aval.shape, _np.uint32)
+    except TypeError:  # an extended dtype (PRNG keys): zeros shaped as its key data
+        key_shape = tuple(getattr(getattr(aval.dtype, "_impl", None), "key_shape", ()))
+        return _np.zeros(tuple(aval.shape) + key_shape, _np.uint32)
 
 
 def index_in_dim(x, i):

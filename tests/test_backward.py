@@ -413,3 +413,28 @@ def test_a_prng_key_carry_leaf_reads_as_zero_key_data():
     assert len(bwd) == 3
     for e in bwd:
         assert e.value[0].dtype == np.uint32 and e.value[0].shape == (2,) and not e.value[0].any()
+
+
+@pytest.mark.parametrize("flush_every", [None, 2])
+def test_grad_of_vmap_gives_lanes_in_both_directions(flush_every):
+    """vmap inside grad (a batched loss): the backward loop is bound after
+    batching, yet its events come per lane, as the forward ones do."""
+    def per_example(w, x):
+        return jax.lax.scan(lambda c, t: (step_fn(w, c, t * x), None), jnp.float32(0.3), XS[:4])[0]
+
+    xs = jnp.array([0.1, 0.5, 0.9], jnp.float32)
+    f = lambda w: jnp.sum(jax.vmap(per_example, (None, 0))(w, xs))  # noqa: E731
+    with tap.record(backward=True, select=lambda ct: (ct[0], ct.params), flush_every=flush_every) as rec:
+        g = sync(jax.jit(jax.grad(f))(W))
+    assert_bits(jax.jit(jax.grad(f))(W), g)
+    bwd = [e for e in rec.events if e.kind == "cotangent"]
+    assert sorted((e.step, e.lane) for e in bwd) == sorted((t, ln) for t in range(4) for ln in range(3))
+    for e in bwd:
+        x = xs[e.lane]
+        c_t = jnp.float32(0.3)
+        for s in range(e.step):
+            c_t = step_fn(W, c_t, XS[s] * x)
+        rest = lambda c: jax.lax.scan(lambda c, t: (step_fn(W, c, t * x), None), c, XS[e.step:4])[0]  # noqa: E731
+        np.testing.assert_allclose(e.value[0], jax.grad(rest)(c_t), rtol=1e-5)
+    at0 = [e for e in bwd if e.step == 0]
+    np.testing.assert_allclose(at0[0].value[1][0], g, rtol=1e-6)  # .params: shared by the lanes, summed over them

@@ -42,7 +42,7 @@ def _to_host(x):
 
 def _is_column(meta, layout) -> bool:
     """One bare array a step for an ungated event: the hot path."""
-    return layout.bare and not _is_block(meta) and not meta.gated
+    return layout.bare and not _is_block(meta) and not meta.gated and not meta.lanes
 
 
 def _deliver_row(metas, layouts, guard, step, arrays, row, lane):
@@ -70,10 +70,21 @@ def _deliver_row(metas, layouts, guard, step, arrays, row, lane):
                 fired, value = value
                 if not fired:
                     continue
+            if meta.lanes:
+                _deliver_lanes(meta, step, value)
+                continue
             meta.deliver(make_event(meta.path, meta.step_of(step), value, meta.total, meta.kind, lane, meta.origin()),
                          meta.top)
         except Exception as exc:  # noqa: BLE001 - totality
             guard.failed(exc)
+
+
+def _deliver_lanes(meta, step, value):
+    """One event per lane of a value whose leaves lead with the lane axis."""
+    step, origin = meta.step_of(step), meta.origin()
+    for i in range(meta.lanes):
+        one = jax.tree_util.tree_map(lambda a: _own(a[i]), value)
+        meta.deliver(make_event(meta.path, step, one, meta.total, meta.kind, i, origin), meta.top)
 
 
 def _deliver_column(meta, guard, steps, column, count, lane, rows_are_lanes=False):
@@ -146,6 +157,8 @@ def _resolve(meta, guard):
 def _deliver_tree_block(meta, layout, guard, steps, arrays, count, lane) -> bool:
     """One meta's buffered rows as a TapBlock, when its consumers take
     columns; False when they want events (the caller delivers rows)."""
+    if meta.lanes:
+        return False  # one event per lane: the rows, one by one
     target = _resolve(meta, guard)
     if target is None:
         return True

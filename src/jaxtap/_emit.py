@@ -143,9 +143,9 @@ def _split_payload(value):
 class Meta:
     """Where one event of a tap goes (the host side of one part of a hop)."""
 
-    __slots__ = ("deliver", "path", "top", "total", "kind", "gated", "backward")
+    __slots__ = ("deliver", "path", "top", "total", "kind", "gated", "backward", "lanes")
 
-    def __init__(self, deliver, path, top, total, kind, gated=False, backward=False):
+    def __init__(self, deliver, path, top, total, kind, gated=False, backward=False, lanes=0):
         # deliver(event, top), host side; ``top`` (the top-level loop) only
         # matters to sinks that route, and those offer ``resolve`` as well
         self.deliver = deliver
@@ -159,6 +159,9 @@ class Meta:
         # backward: an event of a backward loop (cotangent taps), whose
         # counter k is the forward step total-1-k; its events say backward=True
         self.backward = backward
+        # lanes: the value holds this many lanes along a leading axis, one
+        # event each (a backward loop of a loop written under vmap)
+        self.lanes = lanes
 
     def step_of(self, k):
         """The event step of counter value(s) ``k``."""
@@ -449,7 +452,7 @@ class Side:
                 meta = Block(meta.metas, meta.layouts, meta.length, gated=True)
             elif not meta.gated:
                 meta = Meta(meta.deliver, meta.path, meta.top, meta.total, meta.kind, gated=True,
-                            backward=meta.backward)
+                            backward=meta.backward, lanes=meta.lanes)
             value = (fired, value)
         dynamic, static, treedef, n = _split_payload(value)
         self.entries.append((meta, static, treedef, n, len(dynamic)))

@@ -51,6 +51,8 @@ class _ScanRewrite:
             self.wants = (walker.loop_wants("scan", self.path)[0], False)
         else:
             self.path, self.top = walker.loop_address(scope, _seam.loop_site(_seam.scan_p, params, site))
+            if walker.plan.backward:
+                _seam.note_loop_as_written(params, site)  # (per lane under vmap: its backward twin's lanes)
             # a forward loop recomputed in a backward step (jax.checkpoint) is
             # not a second forward pass
             self.wants = (False, False) if scope.backward else walker.loop_wants("scan", self.path)
@@ -411,6 +413,7 @@ def _cotangent_view(info):
         leaves = [next(cts) if nz else _seam.zeros_of(aval) for aval, nz in zip(info.carry_avals, info.carry_nz)]
         return CarryLeaves(leaves, params)
 
+    view.lanes = info.lanes if info.lanes and any(a is not None for a in info.lanes[1]) else None
     return view
 
 

@@ -21,6 +21,7 @@ Addressing (see README, "Addresses"):
 """
 from __future__ import annotations
 
+import jax
 import numpy as np
 from jax import lax
 
@@ -246,8 +247,9 @@ class Walker:
         p = self.plan
         metas, selects = [], []
         if wants[0] and view is not None:
-            metas.append(Meta(self.sinks.carry, path, top, total, "cotangent", backward=True))
-            selects.append(lambda carry, ys: run_select(p.select, p.select_path, view(carry), path))
+            metas.append(Meta(self.sinks.carry, path, top, total, "cotangent", backward=True,
+                              lanes=view.lanes[0] if view.lanes else 0))
+            selects.append(lambda carry, ys: _cotangent_select(p, view, carry, path))
         elif wants[0]:
             metas.append(Meta(self.sinks.carry, path, top, total, "carry"))
             wrap = CarryLeaves if p.backward else tuple  # one select serves both directions
@@ -312,6 +314,20 @@ class Walker:
         value = _seam.describe_site(name, site) if meta.backward else np.bool_(False)
         emit([meta], lambda: [value], self.sinks.guard, step=step, sample_every=1, when=when,
              batched_hop=not scope.differentiable)
+
+
+def _cotangent_select(p, view, carry, path):
+    """A backward step's select. Where the forward loop was written under
+    ``jax.vmap`` (and differentiated after batching), the select runs per
+    lane, as it does forward, and the host splits the result by lane."""
+    ct = view(carry)
+    if not view.lanes:
+        return run_select(p.select, p.select_path, ct, path)
+
+    def one(leaves, params):
+        return run_select(p.select, p.select_path, CarryLeaves(leaves, params), path)
+
+    return jax.vmap(one, in_axes=(list(view.lanes[1]), None))(list(ct), tuple(ct.params))
 
 
 def _output(t: PrimTap, outs):

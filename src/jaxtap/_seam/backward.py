@@ -28,7 +28,7 @@ from .eqns import scan_p, scan_parts
 from .stack import bound_by_transpose, current_site, loop_site
 from .versions import internal
 
-__all__ = ["BackwardInfo", "backward_info", "note_backward_bind", "install_backward_rules",
+__all__ = ["BackwardInfo", "backward_info", "note_backward_bind", "note_loop_as_written", "install_backward_rules",
            "uninstall_backward_rules", "backward_rules_installed"]
 
 _ad = internal("jax._src.interpreters.ad")
@@ -42,12 +42,15 @@ class BackwardInfo(NamedTuple):
     ``carry_avals``: the forward carry's leaf types; ``carry_nz``: which of
     them have a cotangent in the backward carry (in order); ``n_params``:
     how many leading backward carry leaves accumulate the cotangents of
-    closed-over values."""
+    closed-over values; ``lanes``: ``(B, axes)`` when the forward loop was
+    written under ``jax.vmap`` (batched before it was differentiated): each
+    forward carry leaf's lane axis (0, or None for a leaf all lanes share)."""
 
     forward_site: tuple
     carry_avals: tuple
     carry_nz: tuple
     n_params: int
+    lanes: Optional[tuple] = None
 
 
 class _Forward(NamedTuple):
@@ -61,6 +64,7 @@ _forwards: "collections.OrderedDict" = collections.OrderedDict()
 _by_jaxpr: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # backward scan body -> BackwardInfo
 # tangent scan body -> (forward loop, the forward carry leaf of each of its carry leaves)
 _lineage: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_written: "collections.OrderedDict" = collections.OrderedDict()  # site -> carry avals as bound (per lane)
 _HERE = threading.local()  # .pending: the scan a transpose rule is transposing
 _lock = threading.Lock()
 _originals: dict = {}  # rule name -> JAX's own rule (never dropped)
@@ -193,19 +197,53 @@ def _info(tparams, site, bparams) -> Optional[BackwardInfo]:
     if known is not None and len(known[1]) == t_ncar:
         fwd, leaves = known
         nz = tuple(i in leaves for i in range(len(fwd.carry_avals)))
-        return BackwardInfo(fwd.site, fwd.carry_avals, nz, n_params)
+        return BackwardInfo(fwd.site, fwd.carry_avals, nz, n_params, _lanes(fwd, site))
     tangent_avals = list(t_body.in_avals[t_nc:t_nc + t_ncar])
     with _lock:
         candidates = _forwards.get(_unflagged(site), ())
     for fwd in candidates:
         nz = _subsequence(fwd, tangent_avals)
         if nz is not None:
-            return BackwardInfo(fwd.site, fwd.carry_avals, nz, n_params)
+            return BackwardInfo(fwd.site, fwd.carry_avals, nz, n_params, _lanes(fwd, site))
     if candidates:
         return None  # a forward twin whose layout this cannot be told from: a stranger, never mislabelled
     # no forward loop seen (jax.linear_transpose): the transposed scan is the user's own
     avals = tuple(tangent_avals)
     return BackwardInfo(loop_site(scan_p, tparams, _unflagged(site)), avals, (True,) * t_ncar, n_params)
+
+
+def note_loop_as_written(params, site) -> None:
+    """A scan as the user wrote it (its carry per lane, when it is bound under
+    ``jax.vmap``): what its linearized, batched twin is compared with."""
+    try:
+        body, nc, ncar, _ = scan_parts(params)
+        with _lock:
+            _written.pop(_unflagged(site), None)
+            _written[_unflagged(site)] = tuple(body.in_avals[nc:nc + ncar])
+            while len(_written) > _RECENT:
+                _written.popitem(last=False)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _lanes(fwd, site):
+    """``(B, axes)`` when the linearized forward carry is the written one
+    batched along a leading lane axis of size B (vmap inside grad)."""
+    with _lock:
+        written = _written.get(_unflagged(site))
+    if written is None or len(written) != len(fwd.carry_avals):
+        return None
+    size, axes = None, []
+    for per_lane, batched in zip(written, fwd.carry_avals):
+        lane_shape, shape = tuple(per_lane.shape), tuple(batched.shape)
+        if shape == lane_shape:
+            axes.append(None)
+        elif len(shape) == len(lane_shape) + 1 and shape[1:] == lane_shape and size in (None, shape[0]):
+            size = shape[0]
+            axes.append(0)
+        else:
+            return None
+    return None if size is None else (size, tuple(axes))
 
 
 def _subsequence(fwd, tangent_avals):

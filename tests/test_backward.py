@@ -438,3 +438,81 @@ def test_grad_of_vmap_gives_lanes_in_both_directions(flush_every):
         np.testing.assert_allclose(e.value[0], jax.grad(rest)(c_t), rtol=1e-5)
     at0 = [e for e in bwd if e.step == 0]
     np.testing.assert_allclose(at0[0].value[1][0], g, rtol=1e-6)  # .params: shared by the lanes, summed over them
+
+
+def _helper_scan(c, w, n):
+    return jax.lax.scan(lambda d, y: (jnp.sin(d * w) + y, None), c, jnp.linspace(0.0, 1.0, n, dtype=jnp.float32))[0]
+
+
+def test_backward_loops_in_cond_branches_find_their_own_forward_twins():
+    """One helper's scan in two branches of a switch (one source line,
+    lengths 2 and 3): each backward loop at its own twin's address."""
+    def f(w):
+        def body(c, x):
+            i = jnp.clip((x * 3).astype(jnp.int32), 0, 2)
+            c = jax.lax.switch(i, [lambda c: _helper_scan(c, w, 2), lambda c: c * w,
+                                   lambda c: _helper_scan(c, w * 0.5, 3)], c)
+            return c + x, None
+        return jax.lax.scan(body, jnp.float32(0.3), jnp.linspace(0.1, 1.0, 5, dtype=jnp.float32))[0]
+
+    with tap.record(backward=True) as rec:
+        g = sync(jax.grad(f)(W))
+    assert_bits(jax.grad(f)(W), g)
+    totals = {}
+    for e in rec.events:
+        totals.setdefault(e.path, set()).add(e.total)
+    assert totals == {"scan[0]": {5}, "scan[0]/scan[0]": {2}, "scan[0]/scan[1]": {3}}
+    kinds = {(e.path, e.kind) for e in rec.events}
+    assert ("scan[0]/scan[0]", "cotangent") in kinds and ("scan[0]/scan[1]", "cotangent") in kinds
+
+
+def test_a_backward_loop_whose_twin_cannot_be_told_apart_is_never_mislabelled():
+    """inner(inner(c)): two forward loops of one line and one length in one
+    body. Their backward loops run unreported rather than at a wrong address."""
+    def f(w):
+        def body(c, x):
+            return _helper_scan(_helper_scan(c, w, 2), w * 0.5, 2) + x, None
+        return jax.lax.scan(body, jnp.float32(0.3), XS[:3])[0]
+
+    with tap.record(backward=True) as rec:
+        g = sync(jax.grad(f)(W))
+    assert_bits(jax.grad(f)(W), g)
+    count = {}
+    for e in rec.events:
+        count[e.path, e.kind] = count.get((e.path, e.kind), 0) + 1
+    assert count == {("scan[0]", "carry"): 3, ("scan[0]", "cotangent"): 3,
+                     ("scan[0]/scan[0]", "carry"): 6, ("scan[0]/scan[1]", "carry"): 6}
+
+
+def test_what_one_block_learnt_never_decides_for_the_next():
+    """A forward record left by an earlier block does not pick the layout of
+    a later program at the same line whose own layout is ambiguous."""
+    c0 = (jnp.float32(0.3), jnp.float32(0.2), jnp.float32(0.1), jnp.float32(0.4))
+
+    def rnn(body, out, w):  # one scan line shared by both programs
+        return out(jax.lax.scan(body(w), c0, XS[:3])[0])
+
+    body_p = lambda w: lambda c, x: ((c[0] * w + x, jnp.sin(c[1] * w), c[2] * 2.0, c[3] * w), None)  # noqa: E731
+    body_b = lambda w: lambda c, x: ((jax.lax.stop_gradient(c[0]) * w + x, c[1] * w,  # noqa: E731
+                                      c[2] + jnp.sin(c[1]), c[3] * w), None)
+    with tap.record(backward=True):
+        sync(jax.grad(lambda w: rnn(body_p, lambda c: c[0] + c[1] + c[3], w))(W))
+    fb = jax.checkpoint(lambda w: rnn(body_b, lambda c: c[0] + 3.0 * c[2], w))
+    with tap.record(backward=True) as rec:
+        g = sync(jax.grad(fb)(W))
+    assert_bits(jax.grad(fb)(W), g)
+    # two layouts fit its types: a loop of its own address, never mislabelled
+    assert not [e for e in rec.events if e.kind == "cotangent"]
+    assert {e.path for e in rec.events} == {"scan[0]", "scan[1]"}
+
+
+def test_a_select_returning_its_path_under_grad_of_vmap():
+    def per_example(w, x):
+        return jax.lax.scan(lambda c, t: (step_fn(w, c, t * x), None), jnp.float32(0.3), XS[:4])[0]
+
+    f = lambda w: jnp.sum(jax.vmap(per_example, (None, 0))(w, jnp.array([0.1, 0.5], jnp.float32)))  # noqa: E731
+    with tap.record(backward=True, select=lambda ct, path: (ct[0], path)) as rec:
+        sync(jax.grad(f)(W))
+    bwd = [e for e in rec.events if e.kind == "cotangent"]
+    assert len(bwd) == 8 and {e.lane for e in bwd} == {0, 1}
+    assert all(e.value[1] == "scan[0]" and np.ndim(e.value[0]) == 0 for e in bwd)

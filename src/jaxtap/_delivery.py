@@ -83,7 +83,7 @@ def _deliver_lanes(meta, step, value):
     """One event per lane of a value whose leaves lead with the lane axis."""
     step, origin = meta.step_of(step), meta.origin()
     for i in range(meta.lanes):
-        one = jax.tree_util.tree_map(lambda a: _own(a[i]), value)
+        one = jax.tree_util.tree_map(lambda a: _own(a[i]) if isinstance(a, np.ndarray) and a.ndim else a, value)
         meta.deliver(make_event(meta.path, step, one, meta.total, meta.kind, i, origin), meta.top)
 
 

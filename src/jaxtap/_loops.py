@@ -46,11 +46,18 @@ class _ScanRewrite:
         # a backward scan (cotangent taps) reports at its forward twin's address
         info = _seam.backward_info(params) if walker.plan.backward else None
         self.view = None if info is None else _cotangent_view(info)
-        if info is not None:
-            self.path, self.top = walker.backward_address(scope, info.forward_site)
+        address = None if info is None else walker.backward_address(scope, info.forward_site, self.length)
+        self.opaque = info is not None and address is None
+        if self.opaque:
+            # a nested backward loop whose forward twin cannot be told apart:
+            # run as it is, never reported at another loop's address
+            self.view, self.path, self.top, self.wants = None, scope.prefix, scope.top, (False, False)
+        elif info is not None:
+            self.path, self.top = address
             self.wants = (walker.loop_wants("scan", self.path)[0], False)
         else:
-            self.path, self.top = walker.loop_address(scope, _seam.loop_site(_seam.scan_p, params, site))
+            self.path, self.top = walker.loop_address(scope, _seam.loop_site(_seam.scan_p, params, site),
+                                                      self.length)
             if walker.plan.backward:
                 _seam.note_loop_as_written(params, site)  # (per lane under vmap: its backward twin's lanes)
             # a forward loop recomputed in a backward step (jax.checkpoint) is
@@ -70,7 +77,7 @@ class _ScanRewrite:
     def strategy(self):
         """The rewrite for this scan: a function of its inputs."""
         needs = self.walker.needs(self.body.jaxpr)
-        if (not self.emits and not needs) or self.length == 0:
+        if (not self.emits and not needs) or self.length == 0 or self.opaque:
             return self.plain  # nothing to observe here or inside (or no step at all)
         if self.as_block:
             self._trace_step()

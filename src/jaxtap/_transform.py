@@ -222,23 +222,25 @@ class Walker:
 
         return _seam.trace_closed(fn, list(closed.in_avals) + list(extra_avals)), side
 
-    def loop_address(self, scope, site, prim_name="scan"):
-        """(path, top) of a forward loop at ``scope``, remembered for its
-        backward twin."""
+    def loop_address(self, scope, site, length, prim_name="scan"):
+        """(path, top) of a forward loop at ``scope``, remembered (with its
+        length) for its backward twin."""
         path, top = scope.address(prim_name, site)
         if scope.prefix:
             if len(self.forward_paths) > 4096:
                 self.forward_paths.clear()
-            self.forward_paths[(scope.prefix, site)] = path
+            twins = self.forward_paths.setdefault((scope.prefix, site), {})
+            twins[path] = length
         return path, top
 
-    def backward_address(self, scope, forward_site):
-        """(path, top) of a backward loop: its forward twin's address."""
-        if scope.prefix:
-            path = self.forward_paths.get((scope.prefix, forward_site))
-            if path is not None:
-                return path, scope.top
-        return scope.address("scan", forward_site)
+    def backward_address(self, scope, forward_site, length):
+        """(path, top) of a backward loop: its forward twin's address; None
+        for a nested one whose twin cannot be told apart (two loops of one
+        line and one length in one body)."""
+        if not scope.prefix:
+            return scope.address("scan", forward_site)
+        twins = [p for p, n in self.forward_paths.get((scope.prefix, forward_site), {}).items() if n == length]
+        return (twins[0], scope.top) if len(twins) == 1 else None
 
     def loop_parts(self, wants, path, top, total, view=None):
         """The events one loop step ships: (metas, payloads(carry, ys)).
@@ -324,10 +326,22 @@ def _cotangent_select(p, view, carry, path):
     if not view.lanes:
         return run_select(p.select, p.select_path, ct, path)
 
-    def one(leaves, params):
-        return run_select(p.select, p.select_path, CarryLeaves(leaves, params), path)
+    shape = {}
 
-    return jax.vmap(one, in_axes=(list(view.lanes[1]), None))(list(ct), tuple(ct.params))
+    def one(leaves, params):  # per lane; what is not an array (a path, a label) stays on the host
+        out = run_select(p.select, p.select_path, CarryLeaves(leaves, params), path)
+        flat, shape["tree"] = jax.tree_util.tree_flatten(out)
+        shape["static"] = {i: x for i, x in enumerate(flat) if not _is_traceable(x)}
+        return [x for i, x in enumerate(flat) if i not in shape["static"]]
+
+    arrays = iter(jax.vmap(one, in_axes=(list(view.lanes[1]), None))(list(ct), tuple(ct.params)))
+    static = shape["static"]
+    return jax.tree_util.tree_unflatten(shape["tree"], [static[i] if i in static else next(arrays)
+                                                        for i in range(shape["tree"].num_leaves)])
+
+
+def _is_traceable(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex)) and not isinstance(x, str)
 
 
 def _output(t: PrimTap, outs):

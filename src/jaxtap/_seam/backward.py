@@ -201,12 +201,15 @@ def _info(tparams, site, bparams) -> Optional[BackwardInfo]:
     tangent_avals = list(t_body.in_avals[t_nc:t_nc + t_ncar])
     with _lock:
         candidates = _forwards.get(_unflagged(site), ())
-    for fwd in candidates:
-        nz = _subsequence(fwd, tangent_avals)
-        if nz is not None:
-            return BackwardInfo(fwd.site, fwd.carry_avals, nz, n_params, _lanes(fwd, site))
+    fits = [(fwd, _subsequence(fwd, tangent_avals)) for fwd in candidates]
+    answers = {(fwd.site, fwd.carry_avals, nz): fwd for fwd, nz in fits if nz is not None and nz is not _MANY}
+    if len(answers) == 1 and not any(nz is _MANY for _, nz in fits):
+        (fsite, avals, nz), fwd = next(iter(answers.items()))
+        return BackwardInfo(fsite, avals, nz, n_params, _lanes(fwd, site))
     if candidates:
-        return None  # a forward twin whose layout this cannot be told from: a stranger, never mislabelled
+        # forward twins whose layouts do not tell this one apart: a
+        # stranger (its own address), never mislabelled
+        return None
     # no forward loop seen (jax.linear_transpose): the transposed scan is the user's own
     avals = tuple(tangent_avals)
     return BackwardInfo(loop_site(scan_p, tparams, _unflagged(site)), avals, (True,) * t_ncar, n_params)
@@ -246,10 +249,13 @@ def _lanes(fwd, site):
     return None if size is None else (size, tuple(axes))
 
 
+_MANY = object()  # more than one way: the layout cannot be told
+
+
 def _subsequence(fwd, tangent_avals):
     """Which forward carry leaves the tangent carry holds: its tangent leaves
     as recorded, or (some pruned since) the only way to pick them by type;
-    None when there is no such way, or more than one."""
+    None when there is no such way, ``_MANY`` when there are several."""
     nz = fwd.carry_nz
     with_tangent = [i for i, z in enumerate(nz) if z]
     if len(with_tangent) == len(tangent_avals):
@@ -258,7 +264,7 @@ def _subsequence(fwd, tangent_avals):
         return None
     picks = _picks(with_tangent, [fwd.carry_avals[i] for i in with_tangent], tangent_avals, limit=2)
     if len(picks) != 1:
-        return None
+        return _MANY if picks else None
     return tuple(i in picks[0] for i in range(len(nz)))
 
 
@@ -338,6 +344,9 @@ def uninstall_backward_rules() -> None:
         name, table, prim, before = _installed.pop()
         if table.get(prim) is _WRAPPERS[name]:
             table[prim] = before if before is not _WRAPPERS[name] else _originals[name]
+    with _lock:  # what one lens learnt never decides for the next one
+        _forwards.clear()
+        _written.clear()
 
 
 def backward_rules_installed() -> bool:

@@ -15,7 +15,8 @@ import numpy as np
 from jax import lax
 
 from . import _seam
-from ._emit import Block, Buffer, CarryLeaves, Side, emit
+from ._cotangents import cotangent_view
+from ._emit import Block, Buffer, Side, emit
 from ._rules import bind as _bind, bool_aval as _bool_aval, both as _both, int32_aval as _int32_aval, one as _one
 from ._rules import observed, register
 from ._transform import Counter, interpret
@@ -45,7 +46,7 @@ class _ScanRewrite:
         self.body, self.nc, self.ncar, self.length = _seam.scan_parts(params)
         # a backward scan (cotangent taps) reports at its forward twin's address
         info = _seam.backward_info(params) if walker.plan.backward else None
-        self.view = None if info is None else _cotangent_view(info)
+        self.view = None if info is None else cotangent_view(info)
         address = None if info is None else walker.backward_address(scope, info.forward_site, self.length)
         self.opaque = info is not None and address is None
         if self.opaque:
@@ -410,18 +411,6 @@ def _scan_driver(walker, wants, params, stepped, path, top, args, side, lane_run
     runner = Runner(state, run_until, lambda i, st: lax.lt(i, n), observe, length, uniform=True, offset=offset)
     out = _drive(walker, wants, path, top, runner, side=side, collect=collect, lane_running=lane_running, view=view)
     return out[:ncar + nys]
-
-
-def _cotangent_view(info):
-    """A backward scan's carry ``[params..., carry cotangents...]`` as its
-    select sees it: :class:`CarryLeaves` in the forward carry's order."""
-    def view(carry):
-        params, cts = carry[:info.n_params], iter(carry[info.n_params:])
-        leaves = [next(cts) if nz else _seam.zeros_of(aval) for aval, nz in zip(info.carry_avals, info.carry_nz)]
-        return CarryLeaves(leaves, params)
-
-    view.lanes = info.lanes if info.lanes and any(a is not None for a in info.lanes[1]) else None
-    return view
 
 
 @register(_seam.while_p)

@@ -21,11 +21,11 @@ Addressing (see README, "Addresses"):
 """
 from __future__ import annotations
 
-import jax
 import numpy as np
 from jax import lax
 
 from . import _seam
+from ._cotangents import cotangent_select
 from ._emit import CarryLeaves, Meta, Side, TapSelectError, emit, finite_flag, run_select
 from ._options import Plan, PrimTap
 from ._rules import RULES, observed, register, ruled_names
@@ -251,7 +251,7 @@ class Walker:
         if wants[0] and view is not None:
             metas.append(Meta(self.sinks.carry, path, top, total, "cotangent", backward=True,
                               lanes=view.lanes[0] if view.lanes else 0))
-            selects.append(lambda carry, ys: _cotangent_select(p, view, carry, path))
+            selects.append(lambda carry, ys: cotangent_select(p, view, carry, path))
         elif wants[0]:
             metas.append(Meta(self.sinks.carry, path, top, total, "carry"))
             wrap = CarryLeaves if p.backward else tuple  # one select serves both directions
@@ -316,32 +316,6 @@ class Walker:
         value = _seam.describe_site(name, site) if meta.backward else np.bool_(False)
         emit([meta], lambda: [value], self.sinks.guard, step=step, sample_every=1, when=when,
              batched_hop=not scope.differentiable)
-
-
-def _cotangent_select(p, view, carry, path):
-    """A backward step's select. Where the forward loop was written under
-    ``jax.vmap`` (and differentiated after batching), the select runs per
-    lane, as it does forward, and the host splits the result by lane."""
-    ct = view(carry)
-    if not view.lanes:
-        return run_select(p.select, p.select_path, ct, path)
-
-    shape = {}
-
-    def one(leaves, params):  # per lane; what is not an array (a path, a label) stays on the host
-        out = run_select(p.select, p.select_path, CarryLeaves(leaves, params), path)
-        flat, shape["tree"] = jax.tree_util.tree_flatten(out)
-        shape["static"] = {i: x for i, x in enumerate(flat) if not _is_traceable(x)}
-        return [x for i, x in enumerate(flat) if i not in shape["static"]]
-
-    arrays = iter(jax.vmap(one, in_axes=(list(view.lanes[1]), None))(list(ct), tuple(ct.params)))
-    static = shape["static"]
-    return jax.tree_util.tree_unflatten(shape["tree"], [static[i] if i in static else next(arrays)
-                                                        for i in range(shape["tree"].num_leaves)])
-
-
-def _is_traceable(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex)) and not isinstance(x, str)
 
 
 def _output(t: PrimTap, outs):

@@ -116,10 +116,13 @@ def _lineage_of(jaxpr):
 def _linearize(is_vjp, nzs, *primals, **params):
     out = _originals["linearize"](is_vjp, nzs, *primals, **params)
     if _installed:
-        fwd = _remember(params, out[1][:scan_parts(params)[2]])
-        tangent = _closure_value(out[-1], "tangent_jaxpr")  # the tangent scan's body, bound later
-        if fwd is not None and tangent is not None:
-            _note_lineage(tangent, fwd, [i for i, nz in enumerate(fwd.carry_nz) if nz])
+        try:
+            fwd = _remember(params, out[1][:scan_parts(params)[2]])
+            tangent = _closure_value(out[-1], "tangent_jaxpr")  # the tangent scan's body, bound later
+            if fwd is not None and tangent is not None:
+                _note_lineage(tangent, fwd, [i for i, nz in enumerate(fwd.carry_nz) if nz])
+        except Exception:  # noqa: BLE001 - telemetry never breaks differentiation
+            pass
     return out
 
 
@@ -134,8 +137,11 @@ def _closure_value(fn, name):
 def _jvp(primals, tangents, **params):
     out = _originals["jvp"](primals, tangents, **params)
     if _installed:
-        ncar = scan_parts(params)[2]
-        _remember(params, [not isinstance(t, _ad.Zero) for t in out[1][:ncar]])
+        try:
+            ncar = scan_parts(params)[2]
+            _remember(params, [not isinstance(t, _ad.Zero) for t in out[1][:ncar]])
+        except Exception:  # noqa: BLE001 - telemetry never breaks differentiation
+            pass
     return out
 
 
@@ -146,14 +152,14 @@ def _dce(*args):
     used_inputs, new_eqn = _originals["dce"](*args)
     eqn = args[-1]
     if _installed and new_eqn is not None:
-        known = _lineage_of(eqn.params.get("jaxpr"))
-        if known is not None:
-            try:
+        try:
+            known = _lineage_of(eqn.params.get("jaxpr"))
+            if known is not None:
                 _, nc, ncar, _ = scan_parts(eqn.params)
                 kept = [leaf for leaf, used in zip(known[1], used_inputs[nc:nc + ncar]) if used]
                 _note_lineage(new_eqn.params["jaxpr"], known[0], kept)
-            except Exception:  # noqa: BLE001
-                pass
+        except Exception:  # noqa: BLE001 - telemetry never breaks differentiation
+            pass
     return used_inputs, new_eqn
 
 
@@ -161,7 +167,10 @@ def _transpose(cts, *args, **params):
     if not _installed:
         return _originals["transpose"](cts, *args, **params)
     prev = getattr(_HERE, "pending", None)
-    _HERE.pending = (params, current_site())
+    try:
+        _HERE.pending = (params, current_site())
+    except Exception:  # noqa: BLE001 - the backward scan is then a stranger
+        _HERE.pending = None
     try:
         return _originals["transpose"](cts, *args, **params)
     finally:

@@ -2,6 +2,7 @@
 forward loop's address, ``kind="cotangent"``, ``step`` = the forward step,
 ``select`` on the cotangent of the forward carry (``.params``: the closed-over
 values' accumulated cotangents); gradients stay bitwise."""
+import collections
 import inspect
 import json
 
@@ -16,6 +17,11 @@ import jaxtap as tap
 T = 6
 W = jnp.float32(0.9)
 XS = jnp.linspace(0.0, 1.0, T, dtype=jnp.float32)
+
+
+def _by_path_and_kind(events) -> dict:
+    """How many events each (path, kind) has."""
+    return dict(collections.Counter((e.path, e.kind) for e in events))
 
 
 def step_fn(w, c, x):
@@ -166,10 +172,7 @@ def test_checkpointed_body_recomputed_forward_is_not_a_second_forward_pass(where
     with tap.record(backward=True) as rec:
         got = sync(jax.grad(fn)(W, CXS))
     assert_bits(ref, got)
-    count = {}
-    for e in rec.events:
-        count[e.path, e.kind] = count.get((e.path, e.kind), 0) + 1
-    assert count == {("scan[0]", "carry"): 4, ("scan[0]/scan[0]", "carry"): 12,
+    assert _by_path_and_kind(rec.events) == {("scan[0]", "carry"): 4, ("scan[0]/scan[0]", "carry"): 12,
                      ("scan[0]", "cotangent"): 4, ("scan[0]/scan[0]", "cotangent"): 12}
 
 
@@ -383,10 +386,7 @@ def test_checkpointed_body_with_an_inner_reversed_scan_of_the_same_length():
     with tap.record(backward=True) as rec:
         g = sync(jax.jit(jax.grad(f))(W, xs))
     assert_bits(jax.jit(jax.grad(f))(W, xs), g)
-    count = {}
-    for e in rec.events:
-        count[e.path, e.kind] = count.get((e.path, e.kind), 0) + 1
-    assert count == {("scan[0]", "carry"): 3, ("scan[0]/scan[0]", "carry"): 9,
+    assert _by_path_and_kind(rec.events) == {("scan[0]", "carry"): 3, ("scan[0]/scan[0]", "carry"): 9,
                      ("scan[0]", "cotangent"): 3, ("scan[0]/scan[0]", "cotangent"): 9}
 
 
@@ -477,10 +477,7 @@ def test_a_backward_loop_whose_twin_cannot_be_told_apart_is_never_mislabelled():
     with tap.record(backward=True) as rec:
         g = sync(jax.grad(f)(W))
     assert_bits(jax.grad(f)(W), g)
-    count = {}
-    for e in rec.events:
-        count[e.path, e.kind] = count.get((e.path, e.kind), 0) + 1
-    assert count == {("scan[0]", "carry"): 3, ("scan[0]", "cotangent"): 3,
+    assert _by_path_and_kind(rec.events) == {("scan[0]", "carry"): 3, ("scan[0]", "cotangent"): 3,
                      ("scan[0]/scan[0]", "carry"): 6, ("scan[0]/scan[1]", "carry"): 6}
 
 

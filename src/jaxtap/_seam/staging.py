@@ -109,12 +109,11 @@ def empty_like(aval):
 
 def zeros_of(aval):
     """Zeros of ``aval``'s shape and dtype (uint32 for a PRNG key type)."""
-    import numpy as _np
     try:
-        return _np.zeros(aval.shape, aval.dtype)
+        return np.zeros(aval.shape, aval.dtype)
     except TypeError:  # an extended dtype (PRNG keys): zeros shaped as its key data
         key_shape = tuple(getattr(getattr(aval.dtype, "_impl", None), "key_shape", ()))
-        return _np.zeros(tuple(aval.shape) + key_shape, _np.uint32)
+        return np.zeros(tuple(aval.shape) + key_shape, np.uint32)
 
 
 def index_in_dim(x, i):

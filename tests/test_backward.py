@@ -173,7 +173,7 @@ def test_checkpointed_body_recomputed_forward_is_not_a_second_forward_pass(where
         got = sync(jax.grad(fn)(W, CXS))
     assert_bits(ref, got)
     assert _by_path_and_kind(rec.events) == {("scan[0]", "carry"): 4, ("scan[0]/scan[0]", "carry"): 12,
-                     ("scan[0]", "cotangent"): 4, ("scan[0]/scan[0]", "cotangent"): 12}
+                                             ("scan[0]", "cotangent"): 4, ("scan[0]/scan[0]", "cotangent"): 12}
 
 
 def test_without_the_option_backward_loops_are_loops_of_their_own():
@@ -387,7 +387,7 @@ def test_checkpointed_body_with_an_inner_reversed_scan_of_the_same_length():
         g = sync(jax.jit(jax.grad(f))(W, xs))
     assert_bits(jax.jit(jax.grad(f))(W, xs), g)
     assert _by_path_and_kind(rec.events) == {("scan[0]", "carry"): 3, ("scan[0]/scan[0]", "carry"): 9,
-                     ("scan[0]", "cotangent"): 3, ("scan[0]/scan[0]", "cotangent"): 9}
+                                             ("scan[0]", "cotangent"): 3, ("scan[0]/scan[0]", "cotangent"): 9}
 
 
 def test_a_select_returning_what_it_received_ships_leaves_and_params():
@@ -478,7 +478,7 @@ def test_a_backward_loop_whose_twin_cannot_be_told_apart_is_never_mislabelled():
         g = sync(jax.grad(f)(W))
     assert_bits(jax.grad(f)(W), g)
     assert _by_path_and_kind(rec.events) == {("scan[0]", "carry"): 3, ("scan[0]", "cotangent"): 3,
-                     ("scan[0]/scan[0]", "carry"): 6, ("scan[0]/scan[1]", "carry"): 6}
+                                             ("scan[0]/scan[0]", "carry"): 6, ("scan[0]/scan[1]", "carry"): 6}
 
 
 def test_what_one_block_learnt_never_decides_for_the_next():

@@ -89,6 +89,31 @@ def test_recorder_arrival_order_for_nested_loops():
     assert [float(e.value) for e in rec.events if e.path == "scan[0]"] == [4.0, 12.0, 28.0]
 
 
+@pytest.mark.parametrize("outer", ["scan", "while"])
+@pytest.mark.parametrize("sample_every", [1, 2])
+def test_nested_order_holds_when_only_the_step_crosses(outer, sample_every):
+    """A hop that ships only its step still runs after the taps inside its
+    step (its step comes out of the runner, which orders the callbacks)."""
+    def inner(c):
+        return jax.lax.while_loop(lambda s: s[0] < 2, lambda s: (s[0] + 1, s[1] * 2.0), (0, c))[1]
+
+    def f(c):
+        if outer == "scan":
+            return jax.lax.scan(lambda c, x: (inner(c) + x, None), c, jnp.arange(4.0))[0]
+        return jax.lax.while_loop(lambda s: s[0] < 4, lambda s: (s[0] + 1, inner(s[1])), (0, c))[1]
+
+    with tap.record(select=lambda _: (), sample_every=sample_every) as rec:
+        jax.block_until_ready(f(jnp.float32(1.0)))
+    top = f"{outer}[0]"
+    inner_steps = [0] if sample_every == 2 else [0, 1]
+    expected = []
+    for step in range(4):
+        expected += [(f"{top}/while[0]", k) for k in inner_steps]  # the inner loop restarts each outer step
+        if step % sample_every == 0:
+            expected.append((top, step))
+    assert [(e.path, int(e.step)) for e in rec.events] == expected
+
+
 def test_recorder_direct_append_and_clear():
     rec = tap.FlightRecorder()
     evs = [tap.TapEvent("scan[0]", i, float(i), 3) for i in range(3)]

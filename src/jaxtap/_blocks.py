@@ -56,6 +56,17 @@ class TapBlock:
         self._leaves, self._treedef, self._static, self._count = leaves, treedef, static or {}, count
         self._events = None
 
+    @classmethod
+    def of_column(cls, path, kind, total, lane, steps, column, origin) -> "TapBlock":
+        """A bare column from fresh host copies (the hot path: made
+        read-only in place, no conversion)."""
+        self = cls.__new__(cls)
+        steps.flags.writeable = column.flags.writeable = False
+        self.path, self.kind, self.total, self.lane, self.origin = path, kind, total, lane, origin
+        self.steps, self._leaves, self._treedef, self._static, self._count = steps, [column], None, {}, 1
+        self._events = None
+        return self
+
     def __len__(self) -> int:
         return len(self.steps)
 

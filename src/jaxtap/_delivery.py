@@ -108,8 +108,8 @@ def _deliver_column(meta, guard, steps, column, count, lane, rows_are_lanes=Fals
         if not count:
             return
         try:
-            columns(TapBlock(path, kind, total, lane, np.array(steps[:count]),
-                             np.array(column[:count]), origin=origin))
+            columns(TapBlock.of_column(path, kind, total, lane, np.array(steps[:count]), np.array(column[:count]),
+                                       origin))
         except Exception as exc:  # noqa: BLE001 - totality
             guard.failed(exc)
         return

@@ -19,11 +19,11 @@ code or any ``jax.lax`` name:
   tapped); after it, they hit their clean compilation again.
 * **routing** - a block's events go, when they arrive, to the innermost
   active block of its token; a call scope's go straight to its wrapper's
-  consumers (its compiled program may run long after the call returned).
+  consumers (its compiled program may run long after the call returned);
+  ``_routing`` holds the router.
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 import weakref
 
@@ -33,6 +33,7 @@ from . import _seam
 from ._emit import TapSelectError, shard_mode
 from ._host import Guard, warn_once_now
 from . import _loops  # noqa: F401 - registers the scan and while rules
+from ._routing import Router
 from ._rules import RULES
 from ._transform import SiteIndex, Sinks, Walker, handler_for, tappable_names
 
@@ -65,9 +66,9 @@ class Token:
         self.key = key
         if owner is None:
             ref = weakref.ref(self)
-            router = _Router(lambda: None if ref() is None else _REGISTRY.innermost(ref()))
+            router = Router(lambda: None if ref() is None else _REGISTRY.innermost(ref()), _REGISTRY)
         else:
-            router = _Router(lambda: owner)  # (held: its programs may run after the call returned)
+            router = Router(lambda: owner, _REGISTRY)  # (held: its programs may run after the call returned)
         sinks = Sinks(router.carry_sink, router.carry_sink,
                       [router.prim(i) for i in range(len(plan.prim_taps))], rebuild_guard(plan))
         self.walker = Walker(plan, sinks, SiteIndex())
@@ -102,78 +103,6 @@ class CallScope:
         return False
 
 
-class _Router:
-    """Host routing: deliver to ``find()`` (a block or a wrapped function
-    with ``_sites``, ``_plan``, ``_consumers``, ``_prims``; None drops).
-
-    The outermost index of an address is the receiver's own: the n-th
-    distinct top-level loop (by source line) it met, so a block's addresses
-    do not depend on what earlier blocks with the same configuration ran.
-    """
-
-    def __init__(self, find):
-        self._find = find
-
-        def carry_sink(event, top):
-            self.carry(event, top)
-
-        carry_sink.resolve = self._resolve_carry  # buffered batches route once
-        self.carry_sink = carry_sink
-
-    def _route(self, path, kind, top):
-        """(receiver, path as it names it), or (None, None) to drop."""
-        ctx = self._find()
-        if ctx is None:
-            return None, None
-        if top is not None:
-            first, sep, rest = path.partition("/")
-            mine = f"{top[0]}[{ctx._sites.index(*top)}]"
-            if mine != first:
-                path = mine + sep + rest
-                where = ctx._plan.where
-                if where is not None and kind == "carry" and not _safe_where(where, path):
-                    return None, None
-        return ctx, path
-
-    def _receive(self, event, top):
-        ctx, path = self._route(event.path, event.kind, top)
-        if ctx is not None and path != event.path:
-            event = dataclasses.replace(event, path=path)
-        return ctx, event
-
-    def carry(self, event, top):
-        ctx, event = self._receive(event, top)
-        if ctx is not None:
-            ctx._consumers.deliver(event)  # carry or output, by kind
-
-    def _resolve_carry(self, path, kind, top):
-        ctx, path = self._route(path, kind, top)
-        if ctx is None:
-            return None
-        consumers = ctx._consumers
-        return (consumers.ys_sink if kind == "output" else consumers.carry_sink), path
-
-    def prim(self, i):
-        def deliver(event, top):
-            ctx, event = self._receive(event, top)
-            if ctx is not None:
-                ctx._prims[i].deliver(event)
-
-        def resolve(path, kind, top):
-            ctx, path = self._route(path, kind, top)
-            return None if ctx is None else (ctx._prims[i].deliver, path)
-
-        deliver.resolve = resolve
-        return deliver
-
-
-def _safe_where(where, path):
-    try:
-        return bool(where(path))
-    except Exception:  # noqa: BLE001
-        return False
-
-
 class _Registry:
     """Active contexts per thread, tokens per configuration, and patches."""
 
@@ -182,6 +111,7 @@ class _Registry:
         self.stacks: dict = {}  # thread ident -> [weakref(ctx)], innermost last
         self.tokens: dict = {}  # (plan fingerprint, thread ident) -> Token
         self.n_active = 0
+        self.generation = 0  # changes whenever the active blocks change (routes cached by it)
 
     # -- tokens
     def token_for(self, plan, thread):
@@ -203,6 +133,7 @@ class _Registry:
             stack = self.stacks.setdefault(ctx._thread, [])
             stack.append(weakref.ref(ctx, _collected))
             self.n_active += 1
+            self.generation += 1
             _sync_patches()
         self._sync_thread_token()
 
@@ -215,6 +146,7 @@ class _Registry:
                     del stack[i]
                     self.n_active -= 1
                     break
+            self.generation += 1
             if not stack:
                 self.stacks.pop(thread, None)
             if self.n_active <= 0:
@@ -496,7 +428,7 @@ def _intercept(prim, handler, ctx, args, params):
     walker = ctx._token.walker
     site = _seam.current_site()
     # a custom_jvp/custom_vjp body JAX may trace and discard: its loops take
-    # no number until their events arrive (_Router); others, program order
+    # no number until their events arrive (_routing.Router); others, program order
     provisional = _seam.in_custom_body_trace(ctx.barrier)
     path = None
     if not provisional:

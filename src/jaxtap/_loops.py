@@ -197,13 +197,36 @@ class Runner(NamedTuple):
     # a backward scan samples the steps whose *forward* step total-1-i is a
     # multiple of sample_every: i = offset, offset + k, ...
     offset: int = 0
+    # the plan's sample_every (static; ``k`` holds the same value at run time)
+    every: int = 0
 
     def advance(self, i, k, state):
-        """Run to the next sampled step: (i2, state2, last step run, sampled?)."""
-        i2, st2 = self.run_until(i, _next_stop(i, k, self.offset), state)
-        last = lax.sub(i2, _one())
+        """Run to the next sampled step: (i2, state2, last step run, sampled?).
+
+        ``sampled`` is None where it is statically true (a scan sampling
+        every step).
+        The driver's next ``i2`` is computed, never read out of the runner,
+        except for a while loop sampled every k > 1 steps (it may end before
+        its next sampled step): followed through the runner, XLA's loop
+        analyses evaluate the user's body at every simplification pass
+        (3-4 x slower HLO passes on a NUTS kernel). ``last`` does come out of
+        the runner: a hop that carries it runs after the taps inside it.
+        """
+        one_step = self.every == 1 and not self.offset
+        # every == 1: the driver calls only while the loop goes on, so the
+        # runner runs exactly step i; k stays a run-time 1, so the runner's
+        # trip count is not provable (XLA would inline it into the driver)
+        stop = lax.add(i, k) if one_step else _next_stop(i, k, self.offset)
+        ran, st2 = self.run_until(i, stop, state)
+        last = lax.sub(ran, _one())
+        if one_step:
+            # a while loop batched by a vmap applied later runs its driver
+            # while any lane goes on: a finished lane's runner runs no step
+            # and that lane emits nothing (its i2 is discarded by the batching)
+            return stop, list(st2), last, (None if self.uniform else lax.gt(ran, i))
         since = lax.sub(last, np.int32(self.offset)) if self.offset else last
-        sampled = lax.bitwise_and(lax.gt(i2, i), lax.eq(lax.rem(since, k), np.int32(0)))
+        sampled = lax.bitwise_and(lax.gt(ran, i), lax.eq(lax.rem(since, k), np.int32(0)))
+        i2 = ran if self.total is None else lax.min(stop, np.int32(self.total))  # a scan's runner reaches it
         return i2, list(st2), last, sampled
 
     def last_sampled(self, every):
@@ -262,6 +285,7 @@ def _drive(walker, wants, path, top, runner: Runner, side=None, collect=None, la
     # The sampling period enters as a runtime value so XLA cannot prove the
     # runner's trip count and fold it into the driver.
     k0 = _seam.optimization_barrier(np.int32(walker.plan.sample_every))
+    runner = runner._replace(every=walker.plan.sample_every)
     if walker.plan.flush_every is None:
         drive = _drive_scan if runner.uniform else _drive_while
         return drive(walker, metas, payloads, runner, k0, lane_running)

@@ -41,7 +41,7 @@ class Tapped:
         self._times = times
         self._observes = plan.active or times is not None
         # this wrapper's top-level addresses: the walker's own, so a device-side
-        # `where` and the delivered path always agree (see _lens._Router)
+        # `where` and the delivered path always agree (see _routing.Router)
         self._sites = self._token.walker.sites
         self._names_seen: set = set()
         self._warned_names = False

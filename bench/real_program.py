@@ -4,6 +4,7 @@ that every arm pays its own first-call compilation.
 
     python bench/real_program.py            # all arms, 1 repeat each
     python bench/real_program.py --cache    # also: JAX's persistent compilation cache, warm, tapped vs not
+    python bench/real_program.py --first-call   # a BlackJAX window adaptation alone, 3 repeats (median)
 
 Reports wall time per arm and its ratio to the plain program measured in the
 same run. Needs the [test] extras (blackjax, optax).
@@ -11,6 +12,7 @@ same run. Needs the [test] extras (blackjax, optax).
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,6 +25,31 @@ ARMS = {
     "record(flush_every=1000)": "flush_every=1000",
     "record(jit_events=True, ops=())": "jit_events=True, ops=()",
 }
+
+# --first-call: what a user of BlackJAX's progress bar pays on a first call
+FIRST_CALL_ARMS = {
+    "plain": None,
+    "blackjax.progress_bar()": "progress_bar",
+    "record(select=lambda _: (), ops=('scan',), max_depth=0) (its options)":
+        "select=lambda _: (), ops=('scan',), max_depth=0",
+    "record(select=lambda _: ()), every depth": "select=lambda _: ()",
+    "record() defaults": "",
+}
+
+
+def window_adaptation():
+    """A BlackJAX NUTS window adaptation, 100 steps: a scan of NUTS kernels."""
+    import blackjax
+    import jax
+    import jax.numpy as jnp
+
+    def logdensity(p):
+        x, s = p["x"], p["log_s"]
+        return -0.5 * jnp.sum((x - 1.0) ** 2 / jnp.exp(2 * s)) - jnp.sum(s) - 0.5 * jnp.sum(s ** 2)
+
+    warm = blackjax.window_adaptation(blackjax.nuts, logdensity)
+    (state, _), _ = warm.run(jax.random.key(0), {"x": jnp.zeros(5), "log_s": jnp.zeros(5)}, num_steps=100)
+    return [float(v) for v in state.position["x"]]
 
 
 def program():
@@ -66,23 +93,29 @@ def program():
     return float(xs.mean()), float(losses[-1])
 
 
-def child(options):
+def child(options, first_call=False):
     """One arm, in this process: prints {"wall": s, "events": n, "out": [...]}."""
     import jax
+    work = window_adaptation if first_call else program
     t0 = time.perf_counter()
     if options is None:
-        out, n = program(), 0
+        out, n = work(), 0
+    elif options == "progress_bar":
+        import blackjax
+        with blackjax.progress_bar(output_file=os.devnull):
+            out, n = work(), -1
     else:
         import jaxtap as tap
         with tap.record(**eval(f"dict({options})")) as rec:  # noqa: S307 - our own arm table
-            out = program()
+            out = work()
         n = len(rec.events)
     jax.effects_barrier()
     print(json.dumps({"wall": time.perf_counter() - t0, "events": n, "out": out}))
 
 
-def run_arm(options, env):
-    code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import real_program as r; r.child({options!r})"
+def run_arm(options, env, first_call=False):
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import real_program as r; "
+            f"r.child({options!r}, {first_call!r})")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-2000:])
@@ -92,8 +125,12 @@ def run_arm(options, env):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--cache", action="store_true", help="also measure the persistent compilation cache")
+    ap.add_argument("--first-call", action="store_true", help="a window adaptation alone: first-call cost")
     a = ap.parse_args(argv)
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    if a.first_call:
+        first_calls(env)
+        return
     rows, plain = [], None
     for name, options in ARMS.items():
         r = run_arm(options, env)
@@ -112,6 +149,23 @@ def main(argv=None):
     for name, wall, events, out in rows:
         print(f"{name:<52} {wall:7.2f} {wall / plain:8.2f} {events:7d}   out={out}")
     outs = {tuple(o) for _, _, _, o in rows}
+    print("identical outputs across arms:", len(outs) == 1)
+
+
+def first_calls(env, repeats=3):
+    """Each arm in a fresh process, the arms interleaved ``repeats`` times:
+    the median wall time and its ratio to the plain one."""
+    walls = {name: [] for name in FIRST_CALL_ARMS}
+    outs = set()
+    for _ in range(repeats):
+        for name, options in FIRST_CALL_ARMS.items():
+            r = run_arm(options, env, first_call=True)
+            walls[name].append(r["wall"])
+            outs.add(tuple(r["out"]))
+    plain = statistics.median(walls["plain"])
+    print(f"{'arm (window adaptation, 100 steps, first call)':<72} {'wall s':>7} {'x plain':>8}")
+    for name, w in walls.items():
+        print(f"{name:<72} {statistics.median(w):7.2f} {statistics.median(w) / plain:8.2f}")
     print("identical outputs across arms:", len(outs) == 1)
 
 

@@ -224,15 +224,17 @@ def make_host_fn(metas, layouts, guard: Guard, sample_every, conditional=False):
 def make_buffer_host(metas, layouts, guard: Guard):
     """The host half of a buffered hop: ``count`` rows, delivered in order."""
 
+    column = len(metas) == 1 and _is_column(metas[0], layouts[0])
+
     def host(count, steps, *arrays, lane=None):
         try:
-            count = int(np.asarray(count))
+            count = int(count)
             steps = np.asarray(steps)[:count]
             arrays = [np.asarray(a) for a in arrays]  # one host view per buffer per hop
         except Exception as exc:  # noqa: BLE001
             guard.failed(exc)
             return
-        if len(metas) == 1 and _is_column(metas[0], layouts[0]):
+        if column:
             _deliver_column(metas[0], guard, steps, arrays[0], count, lane)  # the common case: a tight loop
             return
         if len(metas) == 1 and not _is_block(metas[0]) and not metas[0].gated:

@@ -257,7 +257,8 @@ def _pack(args):
 
 
 def _unpack_plan(layout):
-    """Byte ranges of every piece in a packed buffer (computed once per hop)."""
+    """Byte ranges of every piece in a packed buffer (computed once per hop
+    site), and whether a piece's view needs a reshape (not one axis)."""
     plan, offset = [], 0
     for kind, dtype, shape, piece_dtypes in layout:
         pieces = []
@@ -265,7 +266,7 @@ def _unpack_plan(layout):
             n = int(np.prod(shape, dtype=np.int64)) * pd.itemsize
             pieces.append((offset, offset + n, pd))
             offset += n
-        plan.append((kind, dtype, shape, pieces))
+        plan.append((kind, dtype, shape, pieces, len(shape) != 1))
     return plan
 
 
@@ -277,7 +278,12 @@ def _unpack(buf, plan):
     buf = np.asarray(buf)
     lead = buf.shape[:-1]
     out = []
-    for kind, dtype, shape, pieces in plan:
+    for kind, dtype, shape, pieces, reshape in plan:
+        if kind == "plain" and not lead:  # the hot path: one view, one axis needs no reshape
+            a, b, pd = pieces[0]
+            view = buf[a:b].view(pd)
+            out.append(view.reshape(shape) if reshape else view)
+            continue
         if lead:  # a lane's bytes are not contiguous across lanes: copy
             arrays = [np.ascontiguousarray(buf[..., a:b]).view(pd).reshape(lead + shape) for a, b, pd in pieces]
         else:

@@ -101,7 +101,8 @@ def _block_text(block):
     if not sep or len(parts) != 3 or str(_STEP_MARK) in rest or value_text in head:
         return None
     mid, between, tail = parts
-    return "".join([f"{head}{s}{mid}{v!r}{between}{v!r}{tail}" for s, v in zip(block.steps.tolist(), col.tolist())])
+    texts = map(repr, col.tolist())  # each value's text once: it appears twice per line
+    return "".join([f"{head}{s}{mid}{v}{between}{v}{tail}" for s, v in zip(block.steps.tolist(), texts)])
 
 
 class JSONLWriter:

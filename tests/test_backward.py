@@ -91,6 +91,20 @@ def test_progress_idiom_under_jit_grad_gives_n_forward_then_n_backward_events():
     assert all(e.value == () for e in rec.events)
 
 
+@pytest.mark.parametrize("flush_every", [None, 3])
+def test_forward_events_precede_the_backward_ones_when_nothing_else_orders_them(flush_every):
+    """A linear loop: its backward pass needs no forward residual, so only
+    the lens' own loop structure keeps the forward run first under jit."""
+    def linear(x):
+        body = lambda c, _: (jax.lax.fori_loop(0, 3, lambda i, a: a * 0.9 + c, c), None)  # noqa: E731
+        return jax.lax.scan(body, x, None, length=4)[0]
+
+    with tap.record(backward=True, select=lambda _: (), flush_every=flush_every) as rec:
+        sync(jax.jit(jax.grad(linear))(jnp.float32(0.3)))
+    top = [(e.kind, e.step) for e in rec.events if e.path == "scan[0]"]
+    assert top == [("carry", s) for s in range(4)] + [("cotangent", s) for s in range(3, -1, -1)]
+
+
 def test_carry_leaves_keep_the_forward_order_zeros_where_no_cotangent():
     def f(w, xs):
         def body(carry, x):

@@ -569,6 +569,24 @@ def test_emergency_restore_resets_everything():
     assert len(rec) == 10
 
 
+def test_emergency_restore_stops_delivery_to_a_program_still_running():
+    """Hops route to a block through a cache: a reset must make it stale."""
+    got = []
+
+    def on_step(e):
+        got.append(int(e.step))
+        if e.step == 4:
+            tap.emergency_restore()  # from the host callback, mid-loop
+
+    jf = jax.jit(lambda x: lax.scan(lambda c, _: (c + 1.0, None), x, None, length=20)[0])
+    block = tap.record(select=lambda _: (), on_step=on_step)
+    block.__enter__()  # never exited: the reset ends it
+    jax.block_until_ready(jf(jnp.float32(1.0)))
+    jax.effects_barrier()
+    assert got == [0, 1, 2, 3, 4]
+    assert_clean()
+
+
 def test_no_lax_name_is_ever_patched():
     import jax.lax as lax_mod
 

@@ -205,6 +205,7 @@ class _Registry:
             self.stacks.clear()
             self.tokens.clear()
             self.n_active = 0
+            self.generation += 1  # cached routes to the reset blocks go stale
             _uninstall_all()
         _seam.set_thread_token(None)
         _seam.set_global_token(None)

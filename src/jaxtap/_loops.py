@@ -197,7 +197,8 @@ class Runner(NamedTuple):
     # a backward scan samples the steps whose *forward* step total-1-i is a
     # multiple of sample_every: i = offset, offset + k, ...
     offset: int = 0
-    # the plan's sample_every (static; ``k`` holds the same value at run time)
+    # the plan's sample_every (static; ``k`` holds the same value at run time);
+    # 0: the counter is read out of the runner, as before jax-tap 0.9.1
     every: int = 0
 
     def advance(self, i, k, state):
@@ -226,7 +227,8 @@ class Runner(NamedTuple):
             return stop, list(st2), last, (None if self.uniform else lax.gt(ran, i))
         since = lax.sub(last, np.int32(self.offset)) if self.offset else last
         sampled = lax.bitwise_and(lax.gt(ran, i), lax.eq(lax.rem(since, k), np.int32(0)))
-        i2 = ran if self.total is None else lax.min(stop, np.int32(self.total))  # a scan's runner reaches it
+        # a scan's runner reaches min(stop, total); every == 0: read it out of the runner
+        i2 = ran if self.total is None or not self.every else lax.min(stop, np.int32(self.total))
         return i2, list(st2), last, sampled
 
     def last_sampled(self, every):
@@ -285,7 +287,10 @@ def _drive(walker, wants, path, top, runner: Runner, side=None, collect=None, la
     # The sampling period enters as a runtime value so XLA cannot prove the
     # runner's trip count and fold it into the driver.
     k0 = _seam.optimization_barrier(np.int32(walker.plan.sample_every))
-    runner = runner._replace(every=walker.plan.sample_every)
+    # (with cotangent taps the driver keeps reading its counter out of the
+    # runner: XLA then schedules the events-only forward run before the
+    # backward pass, which nothing else orders; see Runner.advance)
+    runner = runner._replace(every=0 if walker.plan.backward else walker.plan.sample_every)
     if walker.plan.flush_every is None:
         drive = _drive_scan if runner.uniform else _drive_while
         return drive(walker, metas, payloads, runner, k0, lane_running)

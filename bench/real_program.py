@@ -102,7 +102,9 @@ def child(options, first_call=False):
         out, n = work(), 0
     elif options == "progress_bar":
         import blackjax
-        with blackjax.progress_bar(output_file=os.devnull):
+        # its own file: the bar writes output_file by os.replace and deletes
+        # it on exit (never give it os.devnull)
+        with tempfile.TemporaryDirectory() as d, blackjax.progress_bar(output_file=os.path.join(d, "bar.txt")):
             out, n = work(), -1
     else:
         import jaxtap as tap

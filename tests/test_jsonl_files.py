@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jaxtap as tap
+from jaxtap import _seam
 from taputil import assert_bits, sync
 
 
@@ -282,3 +283,14 @@ def test_vmap_lanes_survive_the_file(tmp_path):
     back = tap.read_jsonl(path)
     assert [(e.path, e.step, e.lane) for e in back] == [(e.path, e.step, e.lane) for e in rec.events]
     assert {e.lane for e in back} == {0, 1, 2}
+
+
+def test_a_writer_to_os_devnull_never_removes_it(monkeypatch):
+    """In a multi-process run a writer removes the empty shared file it
+    created; a device such as os.devnull (writable as root) is not one."""
+    removed = []
+    monkeypatch.setattr(os, "remove", removed.append)
+    monkeypatch.setattr(_seam, "process_tag", lambda: 1)
+    out = tap.JSONLWriter(os.devnull, overwrite=True)
+    out.close()  # idle in a multi-process run: the shared name would be left
+    assert removed == []

@@ -163,8 +163,8 @@ class JSONLWriter:
     def _leave_shared_name(self, base) -> None:
         """Remove the shared ``run.jsonl`` this writer created, if empty: the
         name stays free for the merged reading of the per-process files."""
-        try:
-            if self._created and os.path.getsize(base) == 0:
+        try:  # a regular file only: never os.devnull or another device
+            if self._created and os.path.isfile(base) and os.path.getsize(base) == 0:
                 os.remove(base)
         except OSError:
             pass  # another process removed it first

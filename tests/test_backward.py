@@ -13,6 +13,7 @@ import pytest
 from taputil import assert_bits, sync
 
 import jaxtap as tap
+from jaxtap import _seam
 
 T = 6
 W = jnp.float32(0.9)
@@ -91,7 +92,13 @@ def test_progress_idiom_under_jit_grad_gives_n_forward_then_n_backward_events():
     assert all(e.value == () for e in rec.events)
 
 
-@pytest.mark.parametrize("flush_every", [None, 3])
+_UNORDERED = ("JAX >= 0.11's XLA runs the events-only forward loop after a backward pass that needs no "
+              "forward residual: nothing orders them (README, 'The backward pass', Order)")
+
+
+@pytest.mark.parametrize("flush_every", [
+    pytest.param(None, marks=pytest.mark.xfail(_seam.JAX_VERSION >= (0, 11), reason=_UNORDERED, strict=True)),
+    3])
 def test_forward_events_precede_the_backward_ones_when_nothing_else_orders_them(flush_every):
     """A linear loop: its backward pass needs no forward residual, so only
     the lens' own loop structure keeps the forward run first under jit."""

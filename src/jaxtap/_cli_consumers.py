@@ -13,6 +13,7 @@ from ._collectors import FlightRecorder
 
 FAIL_PREFIX = "[tap] FAIL "
 
+
 class _Sink(FlightRecorder):
     """The block's recorder: counts events per address and streams them to
     JSONL; keeps none in memory (a long run stays small)."""

@@ -206,12 +206,15 @@ class Runner(NamedTuple):
 
         ``sampled`` is None where it is statically true (a scan sampling
         every step).
-        The driver's next ``i2`` is computed, never read out of the runner,
-        except for a while loop sampled every k > 1 steps (it may end before
-        its next sampled step): followed through the runner, XLA's loop
-        analyses evaluate the user's body at every simplification pass
-        (3-4 x slower HLO passes on a NUTS kernel). ``last`` does come out of
-        the runner: a hop that carries it runs after the taps inside it.
+
+        The driver's next ``i2`` is computed, not read out of the runner:
+        followed through the runner, XLA's loop analyses evaluate the user's
+        body at every simplification pass (3-4 x slower HLO passes on a NUTS
+        kernel). Two exceptions read it out: a while loop sampled every
+        k > 1 steps (it may end before its next sampled step), and
+        ``every == 0`` (cotangent taps, see ``_drive``). ``last`` always
+        comes out of the runner: a hop that carries it runs after the taps
+        inside it.
         """
         one_step = self.every == 1 and not self.offset
         # every == 1: the driver calls only while the loop goes on, so the

@@ -50,6 +50,22 @@ def make_raw_callback(n, sink):
     return f
 
 
+def make_xla_callback(n, sink):
+    """The cheapest per-step host callback XLA offers: the custom call a
+    jax-tap hop stages (``_seam.host_callback``), with the same payload as
+    the floor. A reference, not the floor: no user writes it by hand."""
+    from jaxtap import _seam
+
+    def f(c0, xs):
+        def b(carry, x):
+            i, c = carry
+            c2, _ = body(c, x)
+            _seam.host_callback(sink, i, c2.mean())
+            return (i + 1, c2), None
+        return jax.lax.scan(b, (jnp.int32(0), c0), xs)[0][1]
+    return f
+
+
 def make_nested(n):
     def f(c0, xs):
         def outer(c, x):
@@ -168,6 +184,7 @@ def main(argv=None):
     bare = jax.jit(make_bare(n))
     arm("bare", bare)
     arm("raw debug.callback (floor)", jax.jit(make_raw_callback(n, sink)))
+    arm("XLA host callback, no-op (reference)", jax.jit(make_xla_callback(n, sink)))
     for k in (1, 10, 100):
         arm(f"verbose sample_every={k}", jax.jit(tap.verbose(make_bare(n), on_step=nothing, select=mean, sample_every=k)))
     arm("progress idiom select=()", jax.jit(tap.verbose(make_bare(n), on_step=nothing, select=lambda _: ())))
@@ -248,6 +265,8 @@ def main(argv=None):
     floor = us["raw debug.callback (floor)"] - b
     ratios = {
         "per-step hop (se=1, scalar select) / raw floor": (us["verbose sample_every=1"] - b) / floor,
+        "per-step hop (se=1, scalar select) / XLA host callback": (us["verbose sample_every=1"] - b)
+        / (us["XLA host callback, no-op (reference)"] - b),
         "se=100 overhead per step / floor": (us["verbose sample_every=100"] - b) / floor,
         "buffered K=100, per event / floor": (us["buffered flush_every=100"] - b) / floor,
         "buffered K=1000, per event / floor": (us["buffered flush_every=1000"] - b) / floor,

@@ -9,6 +9,7 @@ import sys
 LABELS = {
     "bare": "bare",
     "raw debug.callback (floor)": "raw `jax.debug.callback` (floor)",
+    "XLA host callback, no-op (reference)": "XLA's bare host callback, same payload (reference)",
     "verbose sample_every=1": "`verbose`, sample_every=1, scalar select",
     "verbose sample_every=10": "`verbose`, sample_every=10",
     "verbose sample_every=100": "`verbose`, sample_every=100",

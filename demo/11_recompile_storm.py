@@ -15,8 +15,9 @@ events split the run: tracing + lowering + compiling seconds against the
 rest. Fix: pad each batch to a fixed size with a mask (a shape that never
 changes). Checks: the storm compiles once per epoch and the fix compiles
 once; every compile event after the first names `x` and `mask`/`y`; the
-compile events account for most of the storm's wall time and a small part
-of the fix's; the tapped losses equal the untapped ones bitwise; and a
+compile events account for most of the storm's wall time, and the fix spends
+a fraction of the storm's compile time (its one compile then dominates a
+run this small); the tapped losses equal the untapped ones bitwise; and a
 timeline file of the run validates as Chrome trace-event JSON.
 """
 import json
@@ -132,7 +133,7 @@ def main():
             e.value["reason"].startswith("x: f32[") and "(was f32[" in e.value["reason"] for e in compiles[1:]),
         "compilation is most of the storm's time": jit_s > 0.5 * wall,
         "the fix compiles once": len(compiles_fix) == 1,
-        "compilation is a smaller share after the fix": jit_fix / wall_fix < jit_s / wall,
+        "the fix compiles in a fraction of the storm's time": jit_fix < 0.25 * jit_s,
         "tapped losses are bitwise the untapped ones": np.array_equal(losses, losses_plain),
         "the timeline holds every compile span": sum(s["args"]["phase"] == "compile" for s in spans) == EPOCHS,
     }

@@ -408,3 +408,73 @@ def test_scan_autodiff_rules_cotangent_taps_wrap():
     assert [str(a.dtype) for a in info.carry_avals] == ["int32", "float32"]
     assert not _seam.backward_rules_installed()
     assert (ad.primitive_linearizations[scan_p], ad.primitive_jvps[scan_p], ad.fancy_transposes[scan_p]) == before
+
+
+# ------------------------------------------------------------------ the host callback
+
+
+def _cb_program(stage):
+    def f(x):
+        def body(c, _):
+            c = jnp.sin(c) * 0.5 + c
+            stage(c)
+            return c, None
+        return jax.lax.scan(body, x, None, length=5)[0]
+    return f
+
+
+def test_the_host_callback_is_the_fast_primitive_and_hands_over_numpy():
+    assert _seam.FAST_HOST_CALLBACK, "this JAX lost an internal the fast host callback needs"
+    seen = []
+    out = jax.jit(_cb_program(lambda c: _seam.host_callback(lambda a: seen.append(a), c)))(jnp.ones(3))
+    jax.effects_barrier()
+    assert len(seen) == 5 and all(type(a) is np.ndarray for a in seen)
+    assert_bits(out, jax.jit(_cb_program(lambda c: None))(jnp.ones(3)))
+    assert np.array_equal(seen[-1], np.asarray(out))
+
+
+def _optimized_hlo(f, x):
+    import re
+    text = jax.jit(f).lower(x).compile().as_text()
+    # the callback's descriptor (a host pointer), its name and source locations may differ
+    text = re.sub(r"backend_config=\S+|custom_call_target=\"[^\"]*\"|, metadata=\{[^}]*\}", "", text)
+    text = text.replace("jaxtap_callback", "debug_callback")
+    return [ln.strip() for ln in text.splitlines() if ln.lstrip().startswith(("%", "ROOT"))]
+
+
+def test_the_host_callback_compiles_exactly_as_jax_debug_callback():
+    ours = _optimized_hlo(_cb_program(lambda c: _seam.host_callback(lambda a: None, c)), jnp.ones(3))
+    theirs = _optimized_hlo(_cb_program(lambda c: jax.debug.callback(lambda a: None, c)), jnp.ones(3))
+    assert sum(" custom-call(" in ln for ln in ours) == sum(" custom-call(" in ln for ln in theirs) == 1
+    assert ours == theirs
+
+
+def test_the_host_callback_under_vmap_grad_jvp_and_checkpoint():
+    calls = []
+
+    def f(x):
+        def body(c, _):
+            _seam.host_callback(lambda a: calls.append(a.shape), c)
+            return jnp.sin(c) * c, None
+        return jax.lax.scan(jax.checkpoint(body), x, None, length=3)[0].sum()
+
+    def plain(x):
+        return jax.lax.scan(jax.checkpoint(lambda c, _: (jnp.sin(c) * c, None)), x, None, length=3)[0].sum()
+
+    x = jnp.linspace(0.1, 0.9, 4)
+    assert_bits(jax.jit(jax.grad(f))(x), jax.jit(jax.grad(plain))(x))
+    assert_bits(jax.jit(jax.vmap(f))(x[:, None]), jax.jit(jax.vmap(plain))(x[:, None]))
+    assert_bits(jax.jvp(f, (x,), (x,)), jax.jvp(plain, (x,), (x,)))
+    jax.effects_barrier()
+    # vmap (unbatched by the primitive's rule): one call per lane, each with one lane's value
+    assert calls.count((1,)) == 12 and calls.count((4,)) >= 6
+
+
+def test_a_raising_host_callback_warns_and_the_program_goes_on(recwarn):
+    def boom(a):
+        raise RuntimeError("consumer failed")
+
+    out = jax.jit(_cb_program(lambda c: _seam.host_callback(boom, c)))(jnp.ones(3))
+    jax.effects_barrier()
+    assert_bits(out, jax.jit(_cb_program(lambda c: None))(jnp.ones(3)))
+    assert any("consumer failed" in str(w.message) for w in recwarn)

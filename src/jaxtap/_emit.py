@@ -1,7 +1,8 @@
 """Emission: the only module that creates host callbacks.
 
-Everything that leaves the device goes through :func:`jax.debug.callback`
-here. The device side runs the user's ``select`` (inside the sampled branch
+Everything that leaves the device goes through one host callback staged
+here (:func:`_seam.host_callback`: ``jax.debug.callback``'s XLA custom call
+without its per-call host cost). The device side runs the user's ``select`` (inside the sampled branch
 only) and ships the array leaves of its result; the host side
 (:mod:`._delivery`) rebuilds the pytree from host copies and hands a
 :class:`TapEvent` to a sink.
@@ -300,8 +301,7 @@ def _unpack(buf, plan):
 
 
 def hop(host, args, batched=True):
-    """Stage one ``jax.debug.callback`` of ``host(*args)``, packed into one
-    operand.
+    """Stage one host callback of ``host(*args)``, packed into one operand.
 
     With ``batched``, under ``jax.vmap`` it stays ONE callback carrying every
     lane (the host unpacks once and splits the lanes) instead of one
@@ -382,18 +382,18 @@ def _joined(parts):
 
 def _stage_hop(one, lanes, packed, batched):
     if not batched:
-        jax.debug.callback(one, *_chunks(packed))
+        _seam.host_callback(one, *_chunks(packed))
         return
 
     @jax.custom_jvp
     @custom_vmap
     def _hop(a):
-        jax.debug.callback(one, *_chunks(a))
+        _seam.host_callback(one, *_chunks(a))
         return ()
 
     @_hop.def_vmap
     def _hop_vmap(axis_size, in_batched, a):
-        jax.debug.callback(lanes if in_batched[0] else one, *_chunks(a))
+        _seam.host_callback(lanes if in_batched[0] else one, *_chunks(a))
         return (), ()
 
     @_hop.defjvp

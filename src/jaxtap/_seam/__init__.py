@@ -15,10 +15,13 @@ each assumption and fails loudly, naming it, on a JAX that breaks one.
   scope asks, each backward scan mapped to its forward twin;
 * :mod:`.mesh` - many devices and processes: manual axes, shard indices,
   the device of each shard, the process;
+* :mod:`.callback` - the host callback every hop stages (``jax.debug.callback``'s
+  custom call, without its per-call host cost);
 * :mod:`.monitor` - compile-time signals: top-level jit calls, JAX's
   monitoring spans, weak-type promotions (jit-event and trace-time taps).
 """
 from .backward import *  # noqa: F401,F403
+from .callback import *  # noqa: F401,F403
 from .eqns import *  # noqa: F401,F403
 from .mesh import *  # noqa: F401,F403
 from .stack import *  # noqa: F401,F403

@@ -1,0 +1,174 @@
+"""The host callback every hop stages: :func:`host_callback`.
+
+``jax.debug.callback`` spends about 60 µs of host time per call before the
+user's function runs (it turns each operand back into a device array, under
+three configuration contexts); XLA's own Python callback costs about 2 µs on
+CPU. :func:`host_callback` stages the *same* XLA custom call as
+``jax.debug.callback`` (so XLA compiles the program exactly as it would with
+it) through a primitive of our own, ``jaxtap_callback``, whose host half hands the
+numpy operands straight to the function.
+
+It carries JAX's own debug effect, so every JAX rule about where a debug
+callback may go (loop and cond bodies, ``jax.checkpoint``, custom
+derivatives, dead-code elimination) holds for it unchanged; its batching,
+differentiation and partial-evaluation rules are ``jax.debug.callback``'s.
+On a JAX where any of that is missing, :func:`host_callback` is
+``jax.debug.callback`` with the operands converted to numpy (``FAST`` is
+False).
+
+Example
+-------
+>>> import jax, jax.numpy as jnp
+>>> seen = []
+>>> jax.jit(lambda x: host_callback(lambda a: seen.append(a.sum()), x))(jnp.arange(3.0))
+>>> jax.effects_barrier(); [float(v) for v in seen]
+[3.0]
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from .._host import warn_once_now
+from .versions import internal
+
+__all__ = ["host_callback", "FAST_HOST_CALLBACK"]
+
+_core = internal("jax._src.core")
+_debugging = internal("jax._src.debugging")
+_cb = internal("jax._src.callback")
+_mlir = internal("jax._src.interpreters.mlir")
+_ad = internal("jax._src.interpreters.ad")
+_batching = internal("jax._src.interpreters.batching")
+_pe = internal("jax._src.interpreters.partial_eval")
+_sharding_impls = internal("jax._src.sharding_impls")
+_config = internal("jax._src.config")
+_xc = internal("jax._src.lib", "xla_client")
+_shard_map = internal("jax._src.shard_map")
+
+
+def _as_numpy(args):
+    return [a if isinstance(a, np.ndarray) else np.asarray(a) for a in args]
+
+
+def _call(fn, args, cpu_default):
+    """Run ``fn`` on the host; it never raises into XLA (that would abort
+    the user's program): our host functions guard themselves, this is the
+    last net."""
+    try:
+        if cpu_default:  # a user consumer's jnp calls must not queue work on the waiting accelerator
+            with jax.default_device(jax.local_devices(backend="cpu")[0]):
+                fn(*args)
+        else:
+            fn(*args)
+    except BaseException as exc:  # noqa: BLE001 - totality
+        warn_once_now(f"jax-tap: a host callback failed and was skipped: {exc!r}")
+
+
+def _slow(fn, *args):
+    """``jax.debug.callback`` with numpy operands: the portable way."""
+    jax.debug.callback(lambda *a: _call(fn, _as_numpy(a), False), *args)
+
+
+def _sharding(ctx):
+    """The callback's sharding, as ``jax.debug.callback`` annotates it; the
+    string "partial" where only part of a mesh is manual."""
+    axis_context = ctx.module_context.axis_context
+    if isinstance(axis_context, _sharding_impls.SPMDAxisContext):
+        if set(axis_context.mesh.axis_names) - set(axis_context.manual_axes):
+            return "partial"
+        if _config.use_shardy_partitioner.value:
+            return _cb._get_sdy_array_list_for_callbacks(ctx.avals_out)
+        sharding = _xc.OpSharding()
+        sharding.type = _xc.OpSharding.Type.MANUAL
+        return sharding
+    if isinstance(axis_context, _sharding_impls.ShardingContext):
+        if _config.use_shardy_partitioner.value:
+            return _sharding_impls.SdyArrayList((_sharding_impls.SdyArray(
+                mesh_shape=(), dim_shardings=(), logical_device_ids=(0,)),))
+        sharding = _xc.OpSharding()
+        sharding.type = _xc.OpSharding.Type.MAXIMAL
+        sharding.tile_assignment_dimensions = [1]
+        sharding.tile_assignment_devices = [0]
+        return sharding
+    return None
+
+
+def _build():
+    """The ``jaxtap_callback`` primitive with its rules, or None on a JAX that
+    lacks one of the internals it needs."""
+    hop_p = _core.Primitive("jaxtap_callback")
+    hop_p.multiple_results = True
+    effect = _debugging.debug_effect
+
+    @hop_p.def_impl
+    def _impl(*args, fn, partitioned):
+        _call(fn, _as_numpy(args), False)
+        return []
+
+    @hop_p.def_effectful_abstract_eval
+    def _abstract(*avals, fn, partitioned):
+        return [], {effect}
+
+    def _lower(ctx, *args, fn, partitioned):
+        sharding = _sharding(ctx)
+        if isinstance(sharding, str):  # part of a mesh manual: JAX's own gather-and-call
+            return _mlir.lower_fun(lambda *a: _slow(fn, *a) or [], multiple_results=True)(ctx, *args)
+        cpu_default = any(p != "cpu" for p in ctx.module_context.platforms)
+
+        def host(*flat):
+            _call(fn, flat, cpu_default)
+            return ()
+
+        result, _, _ = _cb.emit_python_callback(ctx, host, None, list(args), ctx.avals_in, ctx.avals_out,
+                                                has_side_effect=True, returns_token=True, partitioned=partitioned,
+                                                sharding=sharding)
+        return result
+
+    def _lower_elsewhere(ctx, *args, fn, partitioned):  # TPU and others: jax.debug.callback's lowering
+        return _mlir.lower_fun(lambda *a: _slow(fn, *a) or [], multiple_results=True)(ctx, *args)
+
+    _batching.primitive_batchers[hop_p] = functools.partial(_debugging.debug_batching_rule, primitive=hop_p)
+    _ad.primitive_jvps[hop_p] = lambda primals, tangents, **params: (hop_p.bind(*primals, **params), [])
+    _ad.primitive_transposes[hop_p] = lambda ct, *args, **params: [None] * len(args)
+    _pe.partial_eval_jaxpr_custom_rules[hop_p] = functools.partial(_debugging._debug_partial_eval_custom,
+                                                                   primitive=hop_p)
+    def _eager_in_shard_map(mesh, *args, fn, partitioned):  # as jax.debug.callback's: each device's block
+        with _core.eval_context():
+            blocks = list(zip(*map(list, args)))
+        for block in blocks:
+            _call(fn, _as_numpy(block), False)
+        return []
+
+    _shard_map.eager_rules[hop_p] = _eager_in_shard_map
+    _mlir.register_lowering(hop_p, _lower, platform="cpu")
+    _mlir.register_lowering(hop_p, _lower, platform="gpu")
+    _mlir.register_lowering(hop_p, _lower_elsewhere)
+    return hop_p
+
+
+def _try_build():
+    try:
+        return _build()
+    except Exception:  # noqa: BLE001 - any JAX may move its internals: fall back to jax.debug.callback
+        return None
+
+
+_HOP_P = _try_build()
+FAST_HOST_CALLBACK = _HOP_P is not None
+
+
+def host_callback(fn, *args, partitioned=False):
+    """Stage ``fn(*numpy operands)`` on the host, as ``jax.debug.callback``
+    would stage it (same XLA custom call, same effect, same rules under
+    ``vmap``, autodiff and ``jax.checkpoint``), at a fraction of its host cost.
+
+    ``fn`` receives numpy arrays and must return nothing; if it raises, the
+    program goes on (one warning).
+    """
+    if _HOP_P is None:
+        _slow(fn, *args)
+        return
+    _HOP_P.bind(*args, fn=fn, partitioned=partitioned)

@@ -563,3 +563,28 @@ def test_a_generator_function_is_tapped_as_it_is_iterated():
     assert_bits(got, list(gen(jnp.float32(1.0), 3)))
     sync()
     assert [(e.path, e.step) for e in seen] == [("scan[0]", 0), ("scan[0]", 1)] * 3
+
+
+@pytest.mark.parametrize("flush_every", [None, 2])
+@pytest.mark.parametrize("dtype", ["int4", "uint4", "float4_e2m1fn"])
+def test_sub_byte_carries_cross_with_their_values_and_dtype(dtype, flush_every):
+    dt = getattr(jnp, dtype)
+    x0 = jnp.array([[1, 2, 0, 1], [3, 1, 2, 0]], dt)
+
+    def f(c):
+        return jax.lax.scan(lambda c, _: (c + x0, c), c, None, length=3)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "ran untapped" warning
+        with tap.record(flush_every=flush_every, select_ys=lambda ys: ys[0]) as rec:
+            out = jax.jit(f)(x0)
+            sync()
+    assert_bits(out, jax.jit(f)(x0))
+    carries = [e.value[0] for e in rec.events if e.kind == "carry"]
+    assert [e.step for e in rec.events if e.kind == "carry"] == [0, 1, 2]
+    assert all(v.dtype == np.dtype(dt) for v in carries)
+    final, stacked = out
+    expected = list(np.asarray(stacked)[1:]) + [np.asarray(final)]  # the carry after each step
+    assert all(np.array_equal(v.view(np.uint8), e.view(np.uint8)) for v, e in zip(carries, expected))
+    ys = [e.value for e in rec.events if e.kind == "output"]
+    assert len(ys) == 3 and np.array_equal(ys[0].astype(np.float32), np.asarray(x0).astype(np.float32))

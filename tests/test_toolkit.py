@@ -674,6 +674,21 @@ def test_taps_must_be_tap_objects():
         tap.verbose(sin_scan, taps=["sin"])
     with pytest.raises(TypeError, match="taps"):
         tap.record(taps=[lambda x: x])
+    with pytest.raises(TypeError, match=r"taps=\[tap.watch_nan"):
+        tap.record(taps=5)
+
+
+@pytest.mark.parametrize("form", ["verbose", "with"])
+def test_one_tap_alone_is_a_list_of_one(capfd, form):
+    bad = lambda x: jax.lax.scan(lambda c, _: (jnp.log(c - 2.0), None), x, None, length=3)[0]  # noqa: E731
+    if form == "verbose":
+        out = tap.verbose(bad, taps=tap.watch_nan("log"))(jnp.float32(1.0))
+    else:
+        with tap.record(taps=tap.watch_nan("log")):
+            out = bad(jnp.float32(1.0))
+    jax.block_until_ready(out)
+    jax.effects_barrier()
+    assert "[tap] FAIL" in capfd.readouterr().err
 
 
 def test_primitives_lists_only_what_a_tap_can_reach():

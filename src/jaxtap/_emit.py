@@ -243,6 +243,10 @@ def _pack(args):
             pieces, kind = [jnp.real(a), jnp.imag(a)], "complex"
         elif a.dtype == jnp.bool_:
             pieces, kind = [a.astype(jnp.uint8)], "bool"
+        elif _sub_byte(a.dtype):  # int4, float4, ...: no bitcast to bytes; widen exactly
+            wide = jnp.float32 if jnp.issubdtype(a.dtype, jnp.floating) else (
+                jnp.int8 if jnp.issubdtype(a.dtype, jnp.signedinteger) else jnp.uint8)
+            pieces, kind = [a.astype(wide)], "narrow"
         else:
             pieces = [a]
         layout.append((kind, np.dtype(a.dtype), tuple(a.shape), [np.dtype(p.dtype) for p in pieces]))
@@ -255,6 +259,16 @@ def _pack(args):
     if not parts:
         return jnp.zeros((0,), jnp.uint8), layout
     return (parts[0] if len(parts) == 1 else jnp.concatenate(parts)), layout
+
+
+def _sub_byte(dtype) -> bool:
+    """A dtype narrower than a byte (int4, uint4, float4_e2m1fn, ...)."""
+    for info in (jnp.iinfo, jnp.finfo):
+        try:
+            return info(dtype).bits < 8
+        except (TypeError, ValueError):
+            continue
+    return False
 
 
 def _unpack_plan(layout):
@@ -294,6 +308,8 @@ def _unpack(buf, plan):
             value.real, value.imag = arrays
         elif kind == "bool":
             value = arrays[0].astype(bool)
+        elif kind == "narrow":
+            value = arrays[0].astype(dtype)
         else:
             value = arrays[0]
         out.append(value)

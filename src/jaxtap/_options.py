@@ -199,7 +199,13 @@ class Config:
         for name in ("alert_once", "alert_ys_once", "jit_events", "trace_events", "timeline", "per_shard", "backward"):
             if not isinstance(getattr(self, name), (bool, int)):
                 raise TypeError(f"jax-tap: `{name}` must be True or False, got {getattr(self, name)!r}")
-        taps = tuple(self.taps or ())
+        # one tap alone is a list of one (taps=tap.watch_nan("log") reads naturally)
+        taps = (self.taps,) if isinstance(self.taps, PrimTap) else self.taps or ()
+        try:
+            taps = tuple(taps)
+        except TypeError:
+            raise TypeError(f"jax-tap: `taps` must be a list of taps made by tap.on / tap.watch_nan / tap.print, "
+                            f"e.g. taps=[tap.watch_nan('log')]; got {taps!r}") from None
         for t in taps:
             if not isinstance(t, PrimTap):
                 raise TypeError(

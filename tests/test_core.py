@@ -588,3 +588,45 @@ def test_sub_byte_carries_cross_with_their_values_and_dtype(dtype, flush_every):
     assert all(np.array_equal(v.view(np.uint8), e.view(np.uint8)) for v, e in zip(carries, expected))
     ys = [e.value for e in rec.events if e.kind == "output"]
     assert len(ys) == 3 and np.array_equal(ys[0].astype(np.float32), np.asarray(x0).astype(np.float32))
+
+
+def _passes_params_through(kind):
+    """A loop whose body returns a carry leaf unchanged (JAX's front end moves
+    it out of the carry) and, for a scan, an output that repeats its xs."""
+    def f(p0, x0):
+        if kind == "scan":
+            def body(carry, x):
+                params, v = carry
+                return (params, v * params + x), (x, v * 2.0)
+            return jax.lax.scan(body, (p0, x0), jnp.arange(3.0))
+        return jax.lax.while_loop(lambda s: s[1] < 300.0, lambda s: (s[0], s[1] * s[0] + 1.0), (p0, x0))
+    return f
+
+
+@pytest.mark.parametrize("form", ["eager", "jit", "vmap", "nested", "buffered"])
+@pytest.mark.parametrize("kind", ["scan", "while"])
+def test_select_sees_carry_leaves_the_body_returns_unchanged(kind, form):
+    f = _passes_params_through(kind)
+    args = (jnp.float32(7.0), jnp.float32(0.0))
+    run, opts = f, {}
+    if form == "jit":
+        run = jax.jit(f)
+    elif form == "vmap":
+        run, args = jax.vmap(f), (jnp.full(2, 7.0), jnp.zeros(2))
+    elif form == "nested":
+        run = jax.jit(lambda p, x: jax.lax.scan(lambda c, _: (f(p, c)[0][1] if kind == "scan" else f(p, c)[1],
+                                                                None), x, None, length=2)[0])
+    elif form == "buffered":
+        opts = {"flush_every": 2}
+    with tap.record(select=lambda leaves: leaves, select_ys=lambda ys: ys, **opts) as rec:
+        out = run(*args)
+        sync()
+    assert_bits(out, run(*args))
+    inner = "scan[0]/" + kind + "[0]" if form == "nested" else kind + "[0]"
+    carries = [e.value for e in rec.events if e.kind == "carry" and e.path == inner]
+    assert carries and all(len(c) == 2 for c in carries)
+    assert all(np.all(np.asarray(c[0]) == 7.0) for c in carries)  # the parameter, where the body returns it
+    if kind == "scan" and form != "nested":
+        ys = [e.value for e in rec.events if e.kind == "output" and e.lane in (None, 0)]
+        assert len(ys) == 3 and all(len(y) == 2 for y in ys)
+        assert [float(np.ravel(y[0])[0]) for y in ys] == [0.0, 1.0, 2.0]  # the output that repeats xs

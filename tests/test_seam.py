@@ -478,3 +478,20 @@ def test_a_raising_host_callback_warns_and_the_program_goes_on(recwarn):
     jax.effects_barrier()
     assert_bits(out, jax.jit(_cb_program(lambda c: None))(jnp.ones(3)))
     assert any("consumer failed" in str(w.message) for w in recwarn)
+
+
+def test_the_loop_front_ends_name_what_they_move_out_of_the_carry():
+    """lax.scan / lax.while_loop keep ``move_to_const`` (and scan
+    ``ext_to_ext_fwd``) as locals when they bind: _seam.forwarding reads them."""
+    def f(p, x):
+        s = jax.lax.scan(lambda c, x: ((c[0], c[1] * c[0] + x), x), (p, x), jnp.arange(2.0))
+        w = jax.lax.while_loop(lambda s: s[1] < 9.0, lambda s: (s[0], s[1] + s[0]), (p, x))
+        return s, w
+
+    with tap.record(where=lambda path: False):  # a block active: binds are noted, nothing emits
+        jaxpr = jax.make_jaxpr(f)(1.0, 2.0)
+    loops = {e.primitive: e.params for e in jaxpr.eqns if e.primitive in (_seam.scan_p, _seam.while_p)}
+    scan_fwd = _seam.forwarding_of(_seam.scan_p, loops[_seam.scan_p])
+    while_fwd = _seam.forwarding_of(_seam.while_p, loops[_seam.while_p])
+    assert scan_fwd == _seam.Forwarded(carry=(True, False), ys=(0,))
+    assert while_fwd == _seam.Forwarded(carry=(True, False), ys=())

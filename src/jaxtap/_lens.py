@@ -346,6 +346,8 @@ def _make_bind(prim):
             _seam.note_backward_bind(params)  # a transpose rule binding a backward scan
         if _seam.BUSY.depth or not _REGISTRY.n_active:
             return _seam.bind_original(prim, args, params)
+        if handler is not None:
+            _seam.note_forwarding(prim, params)  # carry leaves the front end moved out, for select
         ctx = _REGISTRY.top(threading.get_ident()) or _REGISTRY.sole()
         if notes and ctx is not None and ctx._plan.prim_taps:
             _note_names(ctx, params)

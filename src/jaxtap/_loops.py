@@ -156,7 +156,9 @@ class _ScanRewrite:
         outputs after it (the carry after step 0, and ys[0])."""
         outs = self.plain(invals)
         ys0 = [_seam.index_in_dim(y, np.int32(0)) for y in outs[self.ncar:]]
-        self.walker.emit_loop(self.wants, self.path, self.top, self.length, np.int32(0), outs[:self.ncar], ys0,
+        carry, ys0 = _user_view(_seam.forwarding_of(_seam.scan_p, self.params) if self.view is None else None,
+                                outs[:self.ncar], ys0, invals[:self.nc], invals[self.nc + self.ncar:], np.int32(0))
+        self.walker.emit_loop(self.wants, self.path, self.top, self.length, np.int32(0), carry, ys0,
                               when=self.lane_running, batched_hop=self.scope.differentiable is False)
         return outs
 
@@ -408,6 +410,19 @@ def _collect(metas, payloads, runner, k, guard, into):
     return list(cs[2:2 + n_state])
 
 
+def _user_view(fwd, carry, ys, consts, xs, idx):
+    """The carry leaves (and scan outputs) as the user's body returns them:
+    those JAX's loop front end moved out put back (``fwd``, see
+    ``_seam.forwarding``). ``ys`` None: not wanted."""
+    if fwd is None:
+        return list(carry), ys
+    carry = _seam.merge_forwarded(fwd, carry, consts[:fwd.moved])
+    if ys is not None and fwd.ys:
+        kept = iter(ys)
+        ys = [next(kept) if f is None else _seam.index_in_dim(xs[f], idx) for f in fwd.ys]
+    return carry, ys
+
+
 def _scan_driver(walker, wants, params, stepped, path, top, args, side, lane_running=None, collect=None, view=None):
     body, nc, ncar, length = _seam.scan_parts(params)
     reverse = _seam.scan_reverse(params)
@@ -432,11 +447,14 @@ def _scan_driver(walker, wants, params, stepped, path, top, args, side, lane_run
         out = _seam.while_loop(lambda s: lax.lt(s[0], s[1]), r_body, (i, lax.min(stop, n), *st))
         return out[0], out[2:]
 
+    fwd = _seam.forwarding_of(_seam.scan_p, params) if view is None else None
+
     def observe(last, st):
         ys_now = [_seam.index_in_dim(b, position(last)) for b in st[ncar:ncar + nys]] if wants[1] else []
-        return st[:ncar], ys_now, st[ncar + nys:]
+        carry, ys_now = _user_view(fwd, st[:ncar], ys_now if wants[1] else None, consts, xs, position(last))
+        return carry, ys_now or [], st[ncar + nys:]
 
-    if wants[1] and not ys0:
+    if wants[1] and not ys0 and not (fwd is not None and fwd.ys):
         wants = (wants[0], False)  # a body returning (carry, None) has no outputs
     state = [*carry, *ys0, *side0]
     offset = (length - 1) % walker.plan.sample_every if view is not None else 0
@@ -466,14 +484,17 @@ def handle_while(walker, eqn, params, invals, scope, site):
     def plain(*args):
         return _bind(eqn, _seam.while_p, list(args), params)
 
+    fwd = _seam.forwarding_of(_seam.while_p, params)
+
     def tapped(*args):
-        return _tapped_while(walker, scope, path, top, wants, emits, cond, cnc, body, bnc, list(args))
+        return _tapped_while(walker, scope, path, top, wants, emits, cond, cnc, body, bnc, list(args), fwd)
 
     return observed(tapped, plain, list(invals))
 
 
-def _tapped_while(walker, scope, path, top, wants, emits, cond, cnc, body, bnc, invals):
+def _tapped_while(walker, scope, path, top, wants, emits, cond, cnc, body, bnc, invals, fwd=None):
     loop = _WhileRewrite(walker, scope, path, top, cond, cnc, body, bnc, invals)
+    loop.fwd = fwd
     if not emits and loop.side is None:
         return loop.thread()  # nothing to emit here: only thread the step through for the inner taps
     out = _drive(walker, wants, path, top, loop.runner(), side=loop.side, lane_running=loop.lane_running)
@@ -494,6 +515,7 @@ class _WhileRewrite:
         self.lane_running = scope.lane_running  # an enclosing lane flag (see handle_scan)
         self.lane_flags = [] if self.lane_running is None else [self.lane_running]
         self.stepped, self.side = None, None
+        self.fwd = None  # carry leaves the front end moved out (see _seam.forwarding)
         if walker.buffers and walker.needs(body.jaxpr):
             self._trace_step()
 
@@ -561,5 +583,8 @@ class _WhileRewrite:
             return out[0], list(out[2:])
 
         side0 = [] if self.stepped is None else [_seam.empty_like(a) for a in self.stepped.out_avals[ncarry:]]
+        def observe(last, st):
+            return _user_view(self.fwd, st[:ncarry], None, self.bconsts, (), last)[0], [], st[ncarry:]
+
         return Runner(list(self.init) + side0, run_until, lambda i, st: self.user_cond(st[:ncarry]),
-                      lambda last, st: (st[:ncarry], [], st[ncarry:]), None, uniform=False)
+                      observe, None, uniform=False)

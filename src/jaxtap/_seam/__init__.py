@@ -15,6 +15,8 @@ each assumption and fails loudly, naming it, on a JAX that breaks one.
   scope asks, each backward scan mapped to its forward twin;
 * :mod:`.mesh` - many devices and processes: manual axes, shard indices,
   the device of each shard, the process;
+* :mod:`.forwarding` - carry leaves JAX's loop front ends moved out of the
+  carry, put back where ``select`` expects them;
 * :mod:`.callback` - the host callback every hop stages (``jax.debug.callback``'s
   custom call, without its per-call host cost);
 * :mod:`.monitor` - compile-time signals: top-level jit calls, JAX's
@@ -22,6 +24,7 @@ each assumption and fails loudly, naming it, on a JAX that breaks one.
 """
 from .backward import *  # noqa: F401,F403
 from .callback import *  # noqa: F401,F403
+from .forwarding import *  # noqa: F401,F403
 from .eqns import *  # noqa: F401,F403
 from .mesh import *  # noqa: F401,F403
 from .stack import *  # noqa: F401,F403

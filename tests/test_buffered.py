@@ -404,3 +404,39 @@ def test_buffered_scan_inside_a_cond_branch_inside_a_scan_rides_when_the_branch_
     inner = [e.step for e in rec.events if e.path == "scan[0]/scan[0]"]
     assert outer == list(range(7))
     assert inner == [0, 1, 2] * int((xs > 0.5).sum())  # only the steps whose branch ran
+
+
+def _inner_through(wrap):
+    """An inner scan (with a sin) reached through ``wrap`` in an outer step."""
+    def inner(c, x):
+        return jax.lax.fori_loop(0, 3, lambda i, a: jnp.sin(a) * 0.9 + x, c)
+
+    wraps = {"jit": lambda c, x: jax.jit(inner)(c, x),
+             "checkpoint": lambda c, x: jax.checkpoint(inner)(c, x),
+             "cond": lambda c, x: jax.lax.cond(x > 0.5, inner, lambda c, x: c + x, c, x)}
+
+    def f(c0):
+        return jax.lax.scan(lambda c, x: (wraps[wrap](c, x), c), c0, jnp.linspace(0.1, 1.0, 7, dtype=jnp.float32))
+    return f
+
+
+@pytest.mark.parametrize("wrap", ["jit", "checkpoint", "cond"])
+def test_an_empty_select_keeps_an_inner_scan_through_a_sub_trace(wrap):
+    """The progress idiom (an empty select) ships an inner scan's block with
+    no arrays: it must still be threaded out of a jit, checkpoint or cond
+    around it (its events, and its primitive taps', used to vanish)."""
+    f = jax.jit(_inner_through(wrap))
+    x = jnp.float32(1.3)
+    plain = f(x)
+    taps = [tap.on("sin", select=lambda o: ())]
+    runs = {}
+    for name, cfg in {"plain": dict(select=lambda l: ()), "full": dict(select=None, flush_every=4),
+                      "empty": dict(select=lambda l: (), flush_every=4)}.items():
+        with tap.record(taps=taps, **cfg) as rec:
+            out = sync(f(x))
+        assert_bits(out, plain, name)
+        runs[name] = [(e.path, e.step) for e in rec.events]
+    assert runs["empty"] == runs["plain"] == runs["full"]
+    assert any(p.endswith("scan[0]/sin[0]") for p, _ in runs["empty"])
+    ran = 7 if wrap != "cond" else 4  # (the branch runs for x > 0.5: 4 of 7 steps)
+    assert sum(p.endswith("scan[0]") and p != "scan[0]" for p, _ in runs["empty"]) == 3 * ran

@@ -419,7 +419,7 @@ def _rewrite_sub(walker, closed, scope, scope_fn, extra_avals):
 
 def _adopt(scope, side, outs):
     """Split a sub-trace's outputs from its exported values (see _rewrite_sub)."""
-    if side is None or not side.values:
+    if side is None or not side.entries:  # (an empty select's entries ship no values, yet exist)
         return outs
     n = len(outs) - len(side.values)
     scope.side.extend(side, outs[n:])
@@ -452,7 +452,7 @@ def handle_cond(walker, eqn, params, invals, scope, site):
         return _bind(eqn, _seam.cond_p, args, _seam.cond_with_branches(params, new))
     saved = scope.counter.save()
     first = [walker.rewrite_exporting(br, fn, extra, scope.side.rows) for br, fn in zip(branches, fns)]
-    if not any(side.values for _, side in first):
+    if not any(side.entries for _, side in first):  # entries, not values: see _adopt
         return _bind(eqn, _seam.cond_p, args, _seam.cond_with_branches(params, [c for c, _ in first]))
     return _buffered_cond(walker, eqn, params, args, scope, fns, extra, saved,
                           [list(c.out_avals[len(br.out_avals):]) for (c, _), br in zip(first, branches)])

@@ -1002,3 +1002,34 @@ def test_grad_of_a_jitted_loop_inside_a_loop_body_is_addressed_like_the_wrapping
     key = lambda e: (e.path, e.step, np.asarray(e.value).tobytes())  # noqa: E731
     assert sorted(map(key, rec.events)) == sorted(map(key, rec2.events))
     assert {e.path for e in rec.events} == {"scan[0]", "scan[0]/jit[0]/scan[0]", "scan[0]/jit[1]/scan[0]"}
+
+
+@pytest.mark.parametrize("form", ["with", "verbose"])
+def test_an_eager_loop_that_fails_while_running_runs_once(form):
+    """The program's own run-time error (a host callback raising at step 4)
+    propagates as it would untapped; the loop is not run again untapped."""
+    calls = []
+
+    def boom(c):
+        calls.append(float(c))
+        if c > 3:
+            raise RuntimeError("the user's own failure")
+        return np.float32(c)
+
+    def f(c, xs):
+        return jax.lax.scan(lambda c, x: (jax.pure_callback(boom, jax.ShapeDtypeStruct((), jnp.float32), c) + x, c),
+                            c, xs)
+
+    xs = jnp.arange(10, dtype=jnp.float32)
+    with pytest.raises(Exception) as untapped:
+        jax.block_until_ready(f(jnp.float32(0.0), xs))
+    expected, calls[:] = list(calls), []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "ran untapped" warning
+        with pytest.raises(type(untapped.value)):
+            if form == "with":
+                with tap.record():
+                    jax.block_until_ready(f(jnp.float32(0.0), xs))
+            else:
+                jax.block_until_ready(tap.verbose(f, on_step=lambda e: None)(jnp.float32(0.0), xs))
+    assert calls == expected == [0.0, 0.0, 1.0, 3.0, 6.0]

@@ -448,12 +448,14 @@ def _intercept(prim, handler, ctx, args, params):
         try:
             ctx._names_seen.update(tappable_names(_seam.loop_body(prim, params).jaxpr))
             if _seam.evaluating_eagerly():
-                return _eager_tapped(walker, prim, handler, params, site)(*args)
+                return _run_eagerly(_eager_tapped(walker, prim, handler, params, site), args)
             with _seam.loop_scope(), shard_mode(walker.plan):
                 scope = walker.top_scope(SiteIndex() if provisional else None)
                 return handler(walker, None, params, list(args), scope, site)
         except TapSelectError:
             raise
+        except _ProgramFailed as failed:
+            raise failed.error from None
         except Exception as exc:  # noqa: BLE001 - our failure must not be the user's
             return _untapped(prim, args, params, exc, f"a {prim.name} loop")
 
@@ -469,6 +471,25 @@ def _trace_event(times, path, prim, params, site):
 
 
 _EAGER_MAX = 64  # tapped eager loops kept compiled, per configuration
+
+
+class _ProgramFailed(Exception):
+    """The tapped program compiled and failed while running: the user's own
+    error (a host callback that raised, a checkify error), not ours."""
+
+    def __init__(self, error):
+        super().__init__(error)
+        self.error = error
+
+
+def _run_eagerly(fn, args):
+    """Run an eager loop's tapped program. An error raised while it runs is
+    the program's own: it propagates, and the loop is not run a second time
+    untapped (its host callbacks would repeat)."""
+    try:
+        return fn(*args)
+    except _seam.RUNTIME_ERRORS as exc:
+        raise _ProgramFailed(exc) from None
 
 
 def _eager_tapped(walker, prim, handler, params, site):

@@ -12,6 +12,7 @@ from .stack import quiet
 from .versions import internal
 
 __all__ = [
+    "RUNTIME_ERRORS",
     "trace_closed",
     "spec_of",
     "eval_eqn",
@@ -36,6 +37,10 @@ __all__ = [
 ]
 
 _core = internal("jax._src.core")
+
+# What a compiled program raises while it runs (a host callback that raised,
+# a runtime check): the program's own failure, never a rewrite's.
+RUNTIME_ERRORS = tuple(e for e in (getattr(jax.errors, "JaxRuntimeError", None),) if e is not None) or (RuntimeError,)
 _pe = internal("jax._src.interpreters.partial_eval")
 _source_info = internal("jax._src.source_info_util")
 _scan_loops = internal("jax._src.lax.control_flow.loops")

@@ -440,3 +440,40 @@ def test_an_empty_select_keeps_an_inner_scan_through_a_sub_trace(wrap):
     assert any(p.endswith("scan[0]/sin[0]") for p, _ in runs["empty"])
     ran = 7 if wrap != "cond" else 4  # (the branch runs for x > 0.5: 4 of 7 steps)
     assert sum(p.endswith("scan[0]") and p != "scan[0]" for p, _ in runs["empty"]) == 3 * ran
+
+
+def _searchsorted_in_a_scan(xs):
+    grid = jnp.linspace(0.0, 1.0, 100)
+
+    def body(c, x):
+        i = jnp.searchsorted(grid, x)  # a short scan inside nested jits (a hijax primitive on JAX >= 0.11)
+        return c + i, i
+    return jax.lax.scan(body, jnp.int32(0), xs)
+
+
+def _lineax_cg_in_a_scan(bs):
+    lx = pytest.importorskip("lineax")
+    op = lx.MatrixLinearOperator(jnp.eye(3) * 2.0 + 0.5, lx.positive_semidefinite_tag)
+
+    def body(c, b):
+        x = lx.linear_solve(op, b + c, lx.CG(rtol=1e-6, atol=1e-6)).value  # a while loop inside a library primitive
+        return x.sum() * 0.1, x
+    return jax.lax.scan(body, jnp.float32(0.0), bs)
+
+
+@pytest.mark.parametrize("program", ["searchsorted", "lineax"])
+def test_loops_inside_an_expanding_primitive_keep_their_events_when_buffered(program):
+    """A primitive whose loops exist only in its expansion (JAX's hijax
+    searchsorted, Equinox's create_vprim behind lineax) inside a buffered
+    step: its loops report as they do unbuffered, riding in the step."""
+    f = _searchsorted_in_a_scan if program == "searchsorted" else _lineax_cg_in_a_scan
+    x = jnp.linspace(0.0, 1.0, 10) if program == "searchsorted" else jnp.ones((4, 3)) * jnp.arange(4.0)[:, None]
+    runs = {}
+    for flush in (None, 4, 100):
+        with tap.record(flush_every=flush, select=lambda leaves: leaves[0]) as rec:
+            out = jax.jit(f)(x)
+            sync()
+        assert_bits(out, jax.jit(f)(x))
+        runs[flush] = [(e.path, e.step) for e in rec.events]
+    assert len({p for p, _ in runs[None]}) >= 2  # the outer scan and a loop inside the primitive
+    assert sorted(runs[4]) == sorted(runs[None]) == sorted(runs[100])

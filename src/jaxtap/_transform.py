@@ -538,8 +538,12 @@ def _expanded(walker, eqn, prim, params, invals, scope, expanded):
     """A primitive that expands into equations (loops included) only when
     lowered: its expansion is interpreted, as transparent as a call, while
     derivatives (and batching) stay the primitive's own rules."""
-    if expanded is None or scope.side is not None:  # (buffered steps: its taps stay silent)
+    if expanded is None:
         return _bind(eqn, prim, invals, params)
+    if scope.side is not None:
+        # a buffered step (never differentiated): the expansion runs inline,
+        # and its loops' and taps' events ride in the step's buffer
+        return interpret(walker, expanded.jaxpr, expanded.consts, list(invals), scope)
     inner = scope.child(scope.prefix, scope.counter, None, scope.total, scope.top, in_loop=scope.in_loop)
 
     def tapped(*args):

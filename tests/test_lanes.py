@@ -9,6 +9,7 @@ import collections
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from taputil import assert_bits, sync
 
@@ -88,3 +89,24 @@ def test_wrapping_a_vmapped_while_with_a_primitive_tap():
         sync(jax.vmap(cond_in_while)(X))
     assert any(e.kind == "primitive" for e in seen)
     assert dict(_streams(seen)) == dict(_streams(rec.events)) == dict(_lane_by_lane(cond_in_while, **cfg))
+
+def test_a_hop_in_differentiable_code_stays_one_callback_under_vmap():
+    """A one-step scan is kept as it is and observed after it, in code JAX
+    may differentiate: under vmap its hop is still ONE callback carrying
+    every lane (not one per lane: numpyro vmaps such a scan over 50,000
+    particles), and each lane gets its event."""
+    def f(x):
+        return jax.lax.scan(lambda c, _: (jnp.sin(c) * 2.0, c), x, None, length=1)[0]
+
+    seen = []
+    g = tap.verbose(f, on_step=seen.append)
+    x = jnp.linspace(0.0, 1.0, 300)
+    assert str(jax.make_jaxpr(jax.vmap(g))(x)).count("jaxtap_callback") == 1
+    out = jax.vmap(g)(x)
+    jax.effects_barrier()
+    assert_bits(out, jax.vmap(f)(x))
+    assert sorted(e.lane for e in seen) == list(range(300))
+    assert np.array_equal(np.array([float(e.value[0]) for e in sorted(seen, key=lambda e: e.lane)]),
+                          np.asarray(out))
+    grads = jax.vmap(jax.grad(g))(x)
+    assert_bits(grads, jax.vmap(jax.grad(f))(x))

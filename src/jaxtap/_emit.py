@@ -319,11 +319,12 @@ def _unpack(buf, plan):
 def hop(host, args, batched=True):
     """Stage one host callback of ``host(*args)``, packed into one operand.
 
-    With ``batched``, under ``jax.vmap`` it stays ONE callback carrying every
-    lane (the host unpacks once and splits the lanes) instead of one
-    callback per lane; forward-mode differentiation passes through it. Taps
-    in code that reverse-mode differentiation may transpose use the plain
-    callback instead.
+    Under ``jax.vmap`` it stays ONE callback carrying every lane (the host
+    unpacks once and splits the lanes) instead of one callback per lane.
+    With ``batched`` that goes through ``custom_vmap`` (forward-mode
+    differentiation passes through it); taps in code that reverse-mode
+    differentiation may transpose (``batched=False``) use the host callback
+    primitive's own batching instead, which transposes.
     """
     with _seam.tap_scope():
         origin = _seam.hop_origin()
@@ -398,7 +399,10 @@ def _joined(parts):
 
 def _stage_hop(one, lanes, packed, batched):
     if not batched:
-        _seam.host_callback(one, *_chunks(packed))
+        def all_lanes(*parts):  # vmapped later: still one callback, carrying every lane
+            _seam.host_callback(lanes, *_chunks(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)))
+
+        _seam.host_callback(one, *_chunks(packed), on_batch=all_lanes)
         return
 
     @jax.custom_jvp

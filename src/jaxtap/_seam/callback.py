@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .._host import warn_once_now
@@ -104,15 +105,15 @@ def _build():
     effect = _debugging.debug_effect
 
     @hop_p.def_impl
-    def _impl(*args, fn, partitioned):
+    def _impl(*args, fn, partitioned, on_batch):
         _call(fn, _as_numpy(args), False)
         return []
 
     @hop_p.def_effectful_abstract_eval
-    def _abstract(*avals, fn, partitioned):
+    def _abstract(*avals, fn, partitioned, on_batch):
         return [], {effect}
 
-    def _lower(ctx, *args, fn, partitioned):
+    def _lower(ctx, *args, fn, partitioned, on_batch):
         sharding = _sharding(ctx)
         if isinstance(sharding, str):  # part of a mesh manual: JAX's own gather-and-call
             return _mlir.lower_fun(lambda *a: _slow(fn, *a) or [], multiple_results=True)(ctx, *args)
@@ -127,15 +128,24 @@ def _build():
                                                 sharding=sharding)
         return result
 
-    def _lower_elsewhere(ctx, *args, fn, partitioned):  # TPU and others: jax.debug.callback's lowering
+    def _lower_elsewhere(ctx, *args, fn, partitioned, on_batch):  # TPU and others: jax.debug.callback's lowering
         return _mlir.lower_fun(lambda *a: _slow(fn, *a) or [], multiple_results=True)(ctx, *args)
 
-    _batching.primitive_batchers[hop_p] = functools.partial(_debugging.debug_batching_rule, primitive=hop_p)
+    def _batch(args, dims, *, fn, partitioned, on_batch):
+        if on_batch is None:  # one callback per lane, as jax.debug.callback
+            return _debugging.debug_batching_rule(args, dims, primitive=hop_p, fn=fn, partitioned=partitioned,
+                                                  on_batch=None)
+        size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+        on_batch(*[jnp.moveaxis(x, d, 0) if d is not None else jnp.broadcast_to(x, (size, *x.shape))
+                   for x, d in zip(args, dims)])
+        return [], []
+
+    _batching.primitive_batchers[hop_p] = _batch
     _ad.primitive_jvps[hop_p] = lambda primals, tangents, **params: (hop_p.bind(*primals, **params), [])
     _ad.primitive_transposes[hop_p] = lambda ct, *args, **params: [None] * len(args)
     _pe.partial_eval_jaxpr_custom_rules[hop_p] = functools.partial(_debugging._debug_partial_eval_custom,
                                                                    primitive=hop_p)
-    def _eager_in_shard_map(mesh, *args, fn, partitioned):  # as jax.debug.callback's: each device's block
+    def _eager_in_shard_map(mesh, *args, fn, partitioned, on_batch):  # as jax.debug.callback's: each device's block
         with _core.eval_context():
             blocks = list(zip(*map(list, args)))
         for block in blocks:
@@ -160,15 +170,18 @@ _HOP_P = _try_build()
 FAST_HOST_CALLBACK = _HOP_P is not None
 
 
-def host_callback(fn, *args, partitioned=False):
+def host_callback(fn, *args, partitioned=False, on_batch=None):
     """Stage ``fn(*numpy operands)`` on the host, as ``jax.debug.callback``
     would stage it (same XLA custom call, same effect, same rules under
-    ``vmap``, autodiff and ``jax.checkpoint``), at a fraction of its host cost.
+    autodiff and ``jax.checkpoint``), at a fraction of its host cost.
 
     ``fn`` receives numpy arrays and must return nothing; if it raises, the
-    program goes on (one warning).
+    program goes on (one warning). Under ``vmap`` the callback runs once per
+    lane, unless ``on_batch`` is given: then ``on_batch(*operands)`` is
+    called at trace time with every operand batched along a leading axis,
+    and stages what it wants instead (one callback for all lanes).
     """
     if _HOP_P is None:
         _slow(fn, *args)
         return
-    _HOP_P.bind(*args, fn=fn, partitioned=partitioned)
+    _HOP_P.bind(*args, fn=fn, partitioned=partitioned, on_batch=on_batch)

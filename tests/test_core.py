@@ -630,3 +630,26 @@ def test_select_sees_carry_leaves_the_body_returns_unchanged(kind, form):
         ys = [e.value for e in rec.events if e.kind == "output" and e.lane in (None, 0)]
         assert len(ys) == 3 and all(len(y) == 2 for y in ys)
         assert [float(np.ravel(y[0])[0]) for y in ys] == [0.0, 1.0, 2.0]  # the output that repeats xs
+
+
+def test_a_tapped_while_loop_runs_cond_fun_at_most_three_times_a_step():
+    """Documented boundary (README, Known boundaries): side effects in
+    cond_fun repeat, at most three times per step; the result is unchanged."""
+    from jax.experimental import io_callback
+
+    log = []
+
+    def cond(s):
+        io_callback(lambda i: log.append(int(i)), None, s[0], ordered=True)
+        return s[0] < 3
+
+    f = jax.jit(lambda x: jax.lax.while_loop(cond, lambda s: (s[0] + 1, s[1] * 1.1), (0, x)))
+    plain = f(jnp.float32(1.0))
+    jax.effects_barrier()
+    untapped, log[:] = list(log), []
+    with tap.record(select=lambda _: ()) as rec:
+        out = f(jnp.float32(1.0))
+        sync()
+    assert_bits(out, plain)
+    assert untapped == [0, 1, 2, 3] and sorted(set(log)) == untapped and len(log) <= 3 * 3 + 1
+    assert [e.step for e in rec.events] == [0, 1, 2]

@@ -533,7 +533,9 @@ class _WhileRewrite:
         # a while body is never transposed: its taps may use the vmap-aware hop
         child = self.scope.child(self.path, Counter(), step, None, self.top, differentiable=False, side=side)
         # (a while that vmap already batched runs every lane as one value: no lane_running)
-        child.lane_running = _both(None if self.batched else self.lane_pred(carry, cc), outer)
+        # (read only by taps inside the body: without any, cond_fun is not run again)
+        reads = not self.batched and self.walker.needs(self.body.jaxpr)
+        child.lane_running = _both(self.lane_pred(carry, cc) if reads else None, outer)
         outs = interpret(self.walker, self.body.jaxpr, self.body.consts, list(bc) + list(carry), child)
         if self.batched:
             pred = self.lane_pred(carry, cc)

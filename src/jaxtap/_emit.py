@@ -2,8 +2,9 @@
 
 Everything that leaves the device goes through one host callback staged
 here (:func:`_seam.host_callback`: ``jax.debug.callback``'s XLA custom call
-without its per-call host cost). The device side runs the user's ``select`` (inside the sampled branch
-only) and ships the array leaves of its result; the host side
+without its per-call host cost). The device side runs the user's
+``select`` (inside the sampled branch only) and ships the array leaves of
+its result; the host side
 (:mod:`._delivery`) rebuilds the pytree from host copies and hands a
 :class:`TapEvent` to a sink.
 """

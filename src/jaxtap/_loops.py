@@ -493,8 +493,7 @@ def handle_while(walker, eqn, params, invals, scope, site):
 
 
 def _tapped_while(walker, scope, path, top, wants, emits, cond, cnc, body, bnc, invals, fwd=None):
-    loop = _WhileRewrite(walker, scope, path, top, cond, cnc, body, bnc, invals)
-    loop.fwd = fwd
+    loop = _WhileRewrite(walker, scope, path, top, cond, cnc, body, bnc, invals, fwd)
     if not emits and loop.side is None:
         return loop.thread()  # nothing to emit here: only thread the step through for the inner taps
     out = _drive(walker, wants, path, top, loop.runner(), side=loop.side, lane_running=loop.lane_running)
@@ -505,7 +504,7 @@ class _WhileRewrite:
     """One while loop being rewritten: its cond and body as the runner and
     the inner taps need them."""
 
-    def __init__(self, walker, scope, path, top, cond, cnc, body, bnc, invals):
+    def __init__(self, walker, scope, path, top, cond, cnc, body, bnc, invals, fwd=None):
         self.walker, self.scope, self.path, self.top = walker, scope, path, top
         self.cond, self.body = cond, body
         self.cconsts, self.bconsts, self.init = invals[:cnc], invals[cnc:cnc + bnc], invals[cnc + bnc:]
@@ -515,7 +514,7 @@ class _WhileRewrite:
         self.lane_running = scope.lane_running  # an enclosing lane flag (see handle_scan)
         self.lane_flags = [] if self.lane_running is None else [self.lane_running]
         self.stepped, self.side = None, None
-        self.fwd = None  # carry leaves the front end moved out (see _seam.forwarding)
+        self.fwd = fwd  # carry leaves the front end moved out (see _seam.forwarding)
         if walker.buffers and walker.needs(body.jaxpr):
             self._trace_step()
 
@@ -585,6 +584,7 @@ class _WhileRewrite:
             return out[0], list(out[2:])
 
         side0 = [] if self.stepped is None else [_seam.empty_like(a) for a in self.stepped.out_avals[ncarry:]]
+
         def observe(last, st):
             return _user_view(self.fwd, st[:ncarry], None, self.bconsts, (), last)[0], [], st[ncarry:]
 

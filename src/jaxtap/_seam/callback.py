@@ -113,10 +113,13 @@ def _build():
     def _abstract(*avals, fn, partitioned, on_batch):
         return [], {effect}
 
+    def _lower_elsewhere(ctx, *args, fn, partitioned, on_batch):  # TPU and others: jax.debug.callback's lowering
+        return _mlir.lower_fun(lambda *a: _slow(fn, *a) or [], multiple_results=True)(ctx, *args)
+
     def _lower(ctx, *args, fn, partitioned, on_batch):
         sharding = _sharding(ctx)
         if isinstance(sharding, str):  # part of a mesh manual: JAX's own gather-and-call
-            return _mlir.lower_fun(lambda *a: _slow(fn, *a) or [], multiple_results=True)(ctx, *args)
+            return _lower_elsewhere(ctx, *args, fn=fn, partitioned=partitioned, on_batch=on_batch)
         cpu_default = any(p != "cpu" for p in ctx.module_context.platforms)
 
         def host(*flat):
@@ -127,9 +130,6 @@ def _build():
                                                 has_side_effect=True, returns_token=True, partitioned=partitioned,
                                                 sharding=sharding)
         return result
-
-    def _lower_elsewhere(ctx, *args, fn, partitioned, on_batch):  # TPU and others: jax.debug.callback's lowering
-        return _mlir.lower_fun(lambda *a: _slow(fn, *a) or [], multiple_results=True)(ctx, *args)
 
     def _batch(args, dims, *, fn, partitioned, on_batch):
         if on_batch is None:  # one callback per lane, as jax.debug.callback
@@ -145,6 +145,7 @@ def _build():
     _ad.primitive_transposes[hop_p] = lambda ct, *args, **params: [None] * len(args)
     _pe.partial_eval_jaxpr_custom_rules[hop_p] = functools.partial(_debugging._debug_partial_eval_custom,
                                                                    primitive=hop_p)
+
     def _eager_in_shard_map(mesh, *args, fn, partitioned, on_batch):  # as jax.debug.callback's: each device's block
         with _core.eval_context():
             blocks = list(zip(*map(list, args)))

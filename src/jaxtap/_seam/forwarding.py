@@ -20,16 +20,13 @@ Example
 """
 from __future__ import annotations
 
-import os
-import sys
 from typing import NamedTuple
 
 from .eqns import loop_body, scan_p, scan_parts, while_parts
+from .stack import _LOOPS_FILE, binder_frame
 
 __all__ = ["Forwarded", "note_forwarding", "forwarding_of", "merge_forwarded"]
 
-_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_LOOPS_FILE = os.path.join("jax", "_src", "lax", "control_flow", "loops.py")
 _FRONT_ENDS = {"scan", "while_loop"}
 _BATCHING_RULES = {"_scan_batching_rule", "_while_loop_batching_rule"}
 _MAX_NOTES = 4096
@@ -70,9 +67,7 @@ def _remember(prim, params, forwarded):
 def note_forwarding(prim, params) -> None:
     """Note what the front end binding this loop moved (call from the bind)."""
     try:
-        frame = sys._getframe(1)
-        while frame is not None and frame.f_code.co_filename.startswith(_HERE):
-            frame = frame.f_back
+        frame = binder_frame()
         if frame is None or not frame.f_code.co_filename.endswith(_LOOPS_FILE):
             return
         name, local = frame.f_code.co_name, frame.f_locals

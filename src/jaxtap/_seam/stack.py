@@ -230,11 +230,18 @@ def in_derivative_code() -> bool:
     return False
 
 
-def _binder_name() -> str:
-    """Name of the function that called ``bind`` (past jax-tap's own frames)."""
+def binder_frame():
+    """The frame of the function that called ``bind`` (past jax-tap's own
+    frames), or None."""
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(_HERE):
         frame = frame.f_back
+    return frame
+
+
+def _binder_name() -> str:
+    """Name of the function that called ``bind`` (past jax-tap's own frames)."""
+    frame = binder_frame()
     return "" if frame is None else frame.f_code.co_name
 
 
@@ -258,9 +265,7 @@ def _nested_in_loop_code(is_loop, barrier=None) -> bool:
     traced. Trace chains miss some of these, as autodiff re-traces bodies in
     traces of its own."""
     stop = None if barrier is None else barrier[0]
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_HERE):
-        frame = frame.f_back  # jax-tap's own frames
+    frame = binder_frame()  # past jax-tap's own frames
     if is_loop and frame is not None and not (
             frame.f_code.co_filename.endswith(_LOOPS_FILE) and frame.f_code.co_name in _USER_BINDERS):
         # not lax.scan / lax.while_loop: JAX re-binding an existing loop

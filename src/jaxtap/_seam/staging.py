@@ -38,14 +38,15 @@ __all__ = [
 
 _core = internal("jax._src.core")
 
-# What a compiled program raises while it runs (a host callback that raised,
-# a runtime check): the program's own failure, never a rewrite's.
-RUNTIME_ERRORS = tuple(e for e in (getattr(jax.errors, "JaxRuntimeError", None),) if e is not None) or (RuntimeError,)
 _pe = internal("jax._src.interpreters.partial_eval")
 _source_info = internal("jax._src.source_info_util")
 _scan_loops = internal("jax._src.lax.control_flow.loops")
 _slicing = internal("jax._src.lax.slicing")
 _eval_jaxpr_mod = internal("jax._src.lax.eval_jaxpr")
+
+# What a compiled program raises while it runs (a host callback that raised,
+# a runtime check): the program's own failure, never a rewrite's.
+RUNTIME_ERRORS = tuple(e for e in (getattr(jax.errors, "JaxRuntimeError", None),) if e is not None) or (RuntimeError,)
 
 # ------------------------------------------------------------ jaxpr tools
 def trace_closed(fn: Callable, in_avals: Sequence[Any]) -> ClosedJaxpr:

@@ -285,3 +285,35 @@ def test_a_while_loop_nested_in_a_loop_buffers_at_most_64_rows_a_flush():
     _, plain = run(jax.jit(f), jnp.float32(1), select=lambda leaves: leaves[-1])
     assert [n for p, n in sizes if p == "scan[0]/while[0]"] == [64, 36] * 3  # not a 1000-row buffer per run
     assert as_bits(sorted(rec.events, key=lambda e: e.path)) == as_bits(sorted(plain.events, key=lambda e: e.path))
+
+
+def _mixed(x):
+    """A while loop (its hops are gated) and a scan, carrying leaves of
+    several kinds (bool, complex, int8, a PRNG key, a static leaf)."""
+    def body(s):
+        i, v, flag, z, small, key = s
+        key, sub = jax.random.split(key)
+        return i + 1, v * 0.5 + jax.random.normal(sub, v.shape), v.sum() > 1, z * (1 + 1j), small + 1, key
+    start = (0, x, False, jnp.complex64(1), jnp.int8(3), jax.random.key(0))
+    s = jax.lax.while_loop(lambda s: s[0] < 5, body, start)
+    return jax.lax.scan(lambda c, _: (c + s[1], c.sum()), x, None, length=4)
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_recorder_alone_keeps_unbuffered_hops_as_bytes_until_read(every, monkeypatch):
+    from jaxtap import _delivery
+    unpacked = []
+    real = _delivery.unpack
+    monkeypatch.setattr(_delivery, "unpack", lambda buf, plan: unpacked.append(np.shape(buf)) or real(buf, plan))
+    f = jax.jit(_mixed)
+    out0, kept = run(f, jnp.ones(3), sample_every=every)
+    assert unpacked == [] and len(kept) == (5 + 4 if every == 1 else 3 + 2)  # nothing unpacked while running
+    _, per_event = run(f, jnp.ones(3), sample_every=every, on_step=lambda e: None)
+    assert as_bits(kept.events) == as_bits(per_event.events)
+    assert [rows for rows, _ in unpacked] == ([5, 4] if every == 1 else [3, 2])  # a stack per site
+    assert as_bits(kept.events) == as_bits(per_event.events) and len(unpacked) == 2  # decoded once, kept
+    assert kept.df().drop(columns=["value_1"]).equals(per_event.df().drop(columns=["value_1"]))
+    with tap.record(select=lambda leaves: leaves[1], sample_every=every, where=lambda p: "while" in p) as bare:
+        f(jnp.ones(3))
+    assert [(e.step, np.asarray(e.value).tobytes()) for e in bare.events] == \
+        [(e.step, np.asarray(e.value[1]).tobytes()) for e in per_event.events if "while" in e.path]

@@ -43,18 +43,18 @@ class TapBlock:
     (3, TapEvent(path='scan[0]', step=1, value=np.float32(1.5), total=3, kind='carry'))
     """
 
-    __slots__ = ("path", "kind", "total", "lane", "origin", "steps", "_leaves", "_treedef", "_static", "_count",
-                 "_events")
+    __slots__ = ("path", "kind", "total", "lane", "origin", "_steps", "_cols", "_treedef", "_static", "_count",
+                 "_events", "_raw")
 
     def __init__(self, path, kind, total, lane, steps, values=None, *, leaves=None, treedef=None, static=None,
                  count=None, origin=NO_ORIGIN):
         self.path, self.kind, self.total, self.lane, self.origin = path, kind, total, lane, tuple(origin)
-        self.steps = _frozen(np.asarray(steps))
+        self._steps = _frozen(np.asarray(steps))
         if leaves is None:  # a bare column
             leaves, treedef, static, count = [values], None, {}, 1
         leaves = [_frozen(np.asarray(c)) for c in leaves]  # shared by every consumer: read-only
-        self._leaves, self._treedef, self._static, self._count = leaves, treedef, static or {}, count
-        self._events = None
+        self._cols, self._treedef, self._static, self._count = leaves, treedef, static or {}, count
+        self._events = self._raw = None
 
     @classmethod
     def of_column(cls, path, kind, total, lane, steps, column, origin) -> "TapBlock":
@@ -63,12 +63,47 @@ class TapBlock:
         self = cls.__new__(cls)
         steps.flags.writeable = column.flags.writeable = False
         self.path, self.kind, self.total, self.lane, self.origin = path, kind, total, lane, origin
-        self.steps, self._leaves, self._treedef, self._static, self._count = steps, [column], None, {}, 1
-        self._events = None
+        self._steps, self._cols, self._treedef, self._static, self._count = steps, [column], None, {}, 1
+        self._events = self._raw = None
         return self
 
+    @classmethod
+    def of_bytes(cls, path, kind, total, raw, decode) -> "TapBlock":
+        """One event kept as the bytes its hop brought (a host copy):
+        ``decode(raws)`` turns a stack of such rows (2-d uint8, one row
+        per event) into ``(steps, leaves, treedef, static, count)``, and
+        runs only when someone reads the block (the unbuffered hot path of
+        a recorder: a carry of many leaves costs one copy, not one array
+        per leaf)."""
+        self = cls.__new__(cls)
+        self.path, self.kind, self.total, self.lane, self.origin = path, kind, total, None, NO_ORIGIN
+        self._steps = self._cols = self._events = None
+        self._treedef, self._static, self._count = None, {}, 1
+        self._raw = (raw, decode)
+        return self
+
+    @property
+    def steps(self) -> np.ndarray:
+        """The events' ``step`` values (int), in delivery order."""
+        if self._steps is None:
+            self._decode()
+        return self._steps
+
+    @property
+    def _leaves(self) -> list:
+        if self._cols is None:
+            self._decode()
+        return self._cols
+
+    def _decode(self):
+        raw, decode = self._raw
+        steps, leaves, treedef, static, count = decode(raw[None])
+        self._treedef, self._static, self._count = treedef, static or {}, count
+        self._cols = [_frozen(c) for c in leaves]
+        self._steps = _frozen(steps)  # last: a reader on another thread waits on it
+
     def __len__(self) -> int:
-        return len(self.steps)
+        return 1 if self._steps is None else len(self._steps)
 
     def __repr__(self) -> str:
         return f"TapBlock(path={self.path!r}, kind={self.kind!r}, {len(self)} events)"
@@ -112,7 +147,26 @@ class TapBlock:
                         count=self._count, origin=self.origin)
 
     def nbytes(self) -> int:
+        if self._cols is None:
+            return int(self._raw[0].nbytes)
         return int(self.steps.nbytes + sum(c.nbytes for c in self._leaves))
+
+
+def decode_kept(items) -> None:
+    """Decode every block in ``items`` still kept as bytes (see
+    :meth:`TapBlock.of_bytes`), a site at a time: one stack and one unpack
+    per site instead of one per event, each block keeping its events."""
+    groups: dict = {}
+    for item in items:
+        if isinstance(item, TapBlock) and item._raw is not None and item._events is None:
+            key = (item._raw[1], item.path, item.kind, item.total)
+            groups.setdefault(key, []).append(item)
+    for (decode, path, kind, total), blocks in groups.items():
+        steps, leaves, treedef, static, count = decode(np.stack([b._raw[0] for b in blocks]))
+        whole = TapBlock(path, kind, total, None, steps, leaves=leaves, treedef=treedef, static=static,
+                         count=count)
+        for block, event in zip(blocks, whole._build()):
+            block._events = [event]
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:

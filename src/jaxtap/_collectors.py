@@ -8,7 +8,7 @@ from typing import Iterator, List, Optional
 
 import numpy as np
 
-from ._blocks import TapBlock, frame_columns
+from ._blocks import TapBlock, decode_kept, frame_columns
 from ._event import TAG_FIELDS, TapEvent
 
 
@@ -51,6 +51,7 @@ class FlightRecorder:
             items, blocks = list(self._events), self._blocks
         if not blocks:
             return items
+        decode_kept(items)
         out: list = []
         for item in items:
             if isinstance(item, TapBlock):
@@ -112,6 +113,14 @@ class FlightRecorder:
         """``append_block``, or None for a subclass that records events itself."""
         return self.append_block if type(self).append is FlightRecorder.append else None
 
+    def _bytes_appender(self):
+        """``append_block`` for one-event blocks kept as their hop's bytes
+        (:meth:`TapBlock.of_bytes`), or None: a bounded recorder keeps
+        objects, a subclass records events itself."""
+        if getattr(self._events, "maxlen", None) is not None:
+            return None
+        return self._block_appender()
+
     def _appender(self):
         """The cheapest callable that records one event (the host's hot path)."""
         if type(self).append is not FlightRecorder.append:
@@ -152,6 +161,7 @@ class FlightRecorder:
         with _BLOCK_LOCK:
             items = list(self._events)
             times = list(self._times) if self._times is not None else [None] * len(items)
+        decode_kept(items)
         events, stamps = [], []
         for item, t in zip(items, times):
             rows = item.events() if isinstance(item, TapBlock) else [item]
@@ -195,7 +205,10 @@ class FlightRecorder:
         frames, rows, run = [], [], []  # run: consecutive blocks' columns with the same names
         with _BLOCK_LOCK:
             items = list(self._events)
+        decode_kept(items)
         for item in items:
+            if isinstance(item, TapBlock) and item._raw is not None:  # one unbuffered hop's event
+                item = item._materialized()[0]
             if not isinstance(item, TapBlock):
                 if run:
                     frames.append(_frame_of(pd, run))

@@ -30,6 +30,51 @@ class _Here(threading.local):
 _HERE = _Here()
 
 
+def unpack_plan(layout):
+    """Byte ranges of every piece in a packed buffer (computed once per hop
+    site), and whether a piece's view needs a reshape (not one axis)."""
+    plan, offset = [], 0
+    for kind, dtype, shape, piece_dtypes in layout:
+        pieces = []
+        for pd in piece_dtypes:
+            n = int(np.prod(shape, dtype=np.int64)) * pd.itemsize
+            pieces.append((offset, offset + n, pd))
+            offset += n
+        plan.append((kind, dtype, shape, pieces, len(shape) != 1))
+    return plan
+
+
+def unpack(buf, plan):
+    """Host side of ``_emit._pack``: numpy views into one host buffer.
+
+    ``buf`` may carry leading batch (lane) dimensions; they lead every output.
+    """
+    buf = np.asarray(buf)
+    lead = buf.shape[:-1]
+    out = []
+    for kind, dtype, shape, pieces, reshape in plan:
+        if kind == "plain" and not lead:  # the hot path: one view, one axis needs no reshape
+            a, b, pd = pieces[0]
+            view = buf[a:b].view(pd)
+            out.append(view.reshape(shape) if reshape else view)
+            continue
+        if lead:  # a lane's bytes are not contiguous across lanes: copy
+            arrays = [np.ascontiguousarray(buf[..., a:b]).view(pd).reshape(lead + shape) for a, b, pd in pieces]
+        else:
+            arrays = [buf[a:b].view(pd).reshape(shape) for a, b, pd in pieces]
+        if kind == "complex":
+            value = np.empty(lead + shape, dtype)
+            value.real, value.imag = arrays
+        elif kind == "bool":
+            value = arrays[0].astype(bool)
+        elif kind == "narrow":
+            value = arrays[0].astype(dtype)
+        else:
+            value = arrays[0]
+        out.append(value)
+    return out
+
+
 def _is_block(meta) -> bool:
     """A whole inner scan's events (``_emit.Block``) rather than one event."""
     return hasattr(meta, "expand")
@@ -218,7 +263,56 @@ def make_host_fn(metas, layouts, guard: Guard, sample_every, conditional=False):
         _deliver_row(metas, layouts, guard, step, arrays, None, lane)
 
     host.lanes = lanes
+    meta = metas[0]
+    if len(metas) == 1 and not _is_block(meta) and not meta.gated and not meta.lanes and not meta.backward:
+        host.raw = _kept_rows(meta, layouts[0], guard, sample_every, conditional)
     return host
+
+
+def _kept_rows(meta, layout, guard, sample_every, conditional):
+    """``raw(buf, plan) -> handled?``: a hop's packed bytes kept as they are
+    (one copy, a :meth:`TapBlock.of_bytes`) when its consumers are a
+    recorder alone (``sink.raw_rows``): a carry of many leaves then costs
+    its recorder one copy and one append, not an array per leaf. The events
+    are built, the same as per-event delivery's, when the recorder is read."""
+    decoders = {}
+    skip = 2 if conditional else 1  # the step, and the gating flag: not the value's
+
+    def raw(buf, plan):
+        if conditional and not buf[plan[1][3][0][0]]:
+            return True  # the flag: this lane did not fire
+        if sample_every > 1:
+            a, b, pd = plan[0][3][0]
+            if int(buf[a:b].view(pd)[0]) % sample_every:
+                return True
+        target = _resolve(meta, guard)
+        if target is None:
+            return True  # no receiver: dropped
+        rows = getattr(target[0], "raw_rows", None)
+        if rows is None:
+            return False
+        try:
+            decode = decoders.get(id(plan))
+            if decode is None:
+                decode = decoders[id(plan)] = _decoder(plan, layout, skip)
+            rows(TapBlock.of_bytes(target[1], meta.kind, meta.total, np.array(buf, copy=True), decode))
+        except Exception as exc:  # noqa: BLE001 - totality
+            guard.failed(exc)
+        return True
+
+    return raw
+
+
+def _decoder(plan, layout, skip):
+    """``decode(rows)`` of :meth:`TapBlock.of_bytes`: the step column and the
+    value's leaf columns of stacked hop buffers ``(step, [flag], *leaves)``."""
+    def decode(rows):
+        arrays = unpack(rows, plan)
+        if layout.bare:
+            return arrays[0], arrays[skip:], None, {}, 1
+        return arrays[0], arrays[skip:], layout.treedef, layout.static, layout.count
+
+    return decode
 
 
 def make_buffer_host(metas, layouts, guard: Guard):

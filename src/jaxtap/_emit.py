@@ -20,6 +20,7 @@ from jax.custom_batching import custom_vmap
 
 from . import _seam
 from ._delivery import _HERE, _deliver_column, _deliver_row, _is_column, make_buffer_host, make_host_fn
+from ._delivery import unpack as _unpack, unpack_plan as _unpack_plan
 
 
 class _Mode(threading.local):
@@ -272,51 +273,6 @@ def _sub_byte(dtype) -> bool:
     return False
 
 
-def _unpack_plan(layout):
-    """Byte ranges of every piece in a packed buffer (computed once per hop
-    site), and whether a piece's view needs a reshape (not one axis)."""
-    plan, offset = [], 0
-    for kind, dtype, shape, piece_dtypes in layout:
-        pieces = []
-        for pd in piece_dtypes:
-            n = int(np.prod(shape, dtype=np.int64)) * pd.itemsize
-            pieces.append((offset, offset + n, pd))
-            offset += n
-        plan.append((kind, dtype, shape, pieces, len(shape) != 1))
-    return plan
-
-
-def _unpack(buf, plan):
-    """Host side of :func:`_pack`: numpy views into one host buffer.
-
-    ``buf`` may carry leading batch (lane) dimensions; they lead every output.
-    """
-    buf = np.asarray(buf)
-    lead = buf.shape[:-1]
-    out = []
-    for kind, dtype, shape, pieces, reshape in plan:
-        if kind == "plain" and not lead:  # the hot path: one view, one axis needs no reshape
-            a, b, pd = pieces[0]
-            view = buf[a:b].view(pd)
-            out.append(view.reshape(shape) if reshape else view)
-            continue
-        if lead:  # a lane's bytes are not contiguous across lanes: copy
-            arrays = [np.ascontiguousarray(buf[..., a:b]).view(pd).reshape(lead + shape) for a, b, pd in pieces]
-        else:
-            arrays = [buf[a:b].view(pd).reshape(shape) for a, b, pd in pieces]
-        if kind == "complex":
-            value = np.empty(lead + shape, dtype)
-            value.real, value.imag = arrays
-        elif kind == "bool":
-            value = arrays[0].astype(bool)
-        elif kind == "narrow":
-            value = arrays[0].astype(dtype)
-        else:
-            value = arrays[0]
-        out.append(value)
-    return out
-
-
 def hop(host, args, batched=True):
     """Stage one host callback of ``host(*args)``, packed into one operand.
 
@@ -338,8 +294,13 @@ def hop(host, args, batched=True):
         packed, layout = _pack(args)
         plan = _unpack_plan(layout)
 
+        raw = getattr(host, "raw", None) if origin is None else None
+
         def one(*parts):
-            _tagged(origin, _unpack(_joined(parts), plan), _one)
+            buf = _joined(parts)
+            if raw is not None and raw(buf, plan):
+                return  # kept as bytes by a recorder: unpacked when read
+            _tagged(origin, _unpack(buf, plan), _one)
 
         def _one(arrays):
             host(*arrays)

@@ -2,10 +2,12 @@
 internals, checked directly, so a JAX upgrade that breaks one fails here
 loudly (and names it) instead of somewhere deep in a tapped program."""
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxtap as tap
 from jaxtap import _seam
@@ -495,3 +497,29 @@ def test_the_loop_front_ends_name_what_they_move_out_of_the_carry():
     while_fwd = _seam.forwarding_of(_seam.while_p, loops[_seam.while_p])
     assert scan_fwd == _seam.Forwarded(carry=(True, False), ys=(0,))
     assert while_fwd == _seam.Forwarded(carry=(True, False), ys=())
+
+
+def test_a_hop_keeps_its_threads_python_state_between_calls():
+    """XLA:CPU calls back on threads of its own pool in a nest of loops (NUTS
+    here); each keeps its Python state and thread-locals from one hop to the
+    next instead of creating and deleting it on every hop."""
+    blackjax = pytest.importorskip("blackjax")
+
+    def logdensity(p):
+        x, s = p["x"], p["log_s"]
+        return -0.5 * jnp.sum((x - 1.0) ** 2 / jnp.exp(2 * s)) - jnp.sum(s) - 0.5 * jnp.sum(s ** 2)
+
+    kernel = blackjax.nuts(logdensity, step_size=0.5, inverse_mass_matrix=jnp.ones(10)).step
+    state = blackjax.nuts.init({"x": jnp.zeros(5), "log_s": jnp.zeros(5)}, logdensity)
+    f = jax.jit(lambda s, ks: jax.lax.scan(lambda st, k: (kernel(k, st)[0], None), s, ks))
+    local, seen = threading.local(), []
+
+    def probe(event):
+        seen.append((threading.get_ident(), getattr(local, "mark", False)))
+        local.mark = True
+
+    with tap.record(select=lambda _: (), on_step=probe):
+        jax.block_until_ready(f(state, jax.random.split(jax.random.key(0), 300)))
+    jax.effects_barrier()
+    fresh = [ident for ident, marked in seen if not marked]
+    assert len(seen) > 1000 and len(fresh) == len(set(fresh))  # a thread's first hop only

@@ -69,7 +69,7 @@ class TapBlock:
 
     @classmethod
     def of_bytes(cls, path, kind, total, raw, decode) -> "TapBlock":
-        """One event kept as the bytes its hop brought (a host copy):
+        """One event kept as the bytes its hop brought (``raw``, a copy):
         ``decode(raws)`` turns a stack of such rows (2-d uint8, one row
         per event) into ``(steps, leaves, treedef, static, count)``, and
         runs only when someone reads the block (the unbuffered hot path of
@@ -97,7 +97,7 @@ class TapBlock:
 
     def _decode(self):
         raw, decode = self._raw
-        steps, leaves, treedef, static, count = decode(raw[None])
+        steps, leaves, treedef, static, count = decode(np.frombuffer(raw, np.uint8)[None])
         self._treedef, self._static, self._count = treedef, static or {}, count
         self._cols = [_frozen(c) for c in leaves]
         self._steps = _frozen(steps)  # last: a reader on another thread waits on it
@@ -148,7 +148,7 @@ class TapBlock:
 
     def nbytes(self) -> int:
         if self._cols is None:
-            return int(self._raw[0].nbytes)
+            return len(self._raw[0])
         return int(self.steps.nbytes + sum(c.nbytes for c in self._leaves))
 
 
@@ -162,7 +162,8 @@ def decode_kept(items) -> None:
             key = (item._raw[1], item.path, item.kind, item.total)
             groups.setdefault(key, []).append(item)
     for (decode, path, kind, total), blocks in groups.items():
-        steps, leaves, treedef, static, count = decode(np.stack([b._raw[0] for b in blocks]))
+        rows = np.frombuffer(b"".join([b._raw[0] for b in blocks]), np.uint8).reshape(len(blocks), -1)
+        steps, leaves, treedef, static, count = decode(rows)
         whole = TapBlock(path, kind, total, None, steps, leaves=leaves, treedef=treedef, static=static,
                          count=count)
         for block, event in zip(blocks, whole._build()):

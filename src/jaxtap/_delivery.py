@@ -264,7 +264,8 @@ def make_host_fn(metas, layouts, guard: Guard, sample_every, conditional=False):
 
     host.lanes = lanes
     meta = metas[0]
-    if len(metas) == 1 and not _is_block(meta) and not meta.gated and not meta.lanes and not meta.backward:
+    if (len(metas) == 1 and not layouts[0].bare and not _is_block(meta) and not meta.gated and not meta.lanes
+            and not meta.backward):  # (one bare array: its event is as cheap, and smaller)
         host.raw = _kept_rows(meta, layouts[0], guard, sample_every, conditional)
     return host
 
@@ -295,7 +296,7 @@ def _kept_rows(meta, layout, guard, sample_every, conditional):
             decode = decoders.get(id(plan))
             if decode is None:
                 decode = decoders[id(plan)] = _decoder(plan, layout, skip)
-            rows(TapBlock.of_bytes(target[1], meta.kind, meta.total, np.array(buf, copy=True), decode))
+            rows(TapBlock.of_bytes(target[1], meta.kind, meta.total, buf.tobytes(), decode))
         except Exception as exc:  # noqa: BLE001 - totality
             guard.failed(exc)
         return True

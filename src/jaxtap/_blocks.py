@@ -182,7 +182,7 @@ def _rows(column: np.ndarray) -> list:
     arrays otherwise (each its own copy, as per-event delivery gives)."""
     if column.ndim == 1:
         return list(column)
-    return [np.array(r) for r in column]
+    return [r.copy() for r in column]
 
 
 def column_block(path, kind, total, lane, steps, arrays, layout, count, origin=NO_ORIGIN) -> Optional[TapBlock]:

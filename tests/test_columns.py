@@ -317,3 +317,77 @@ def test_a_recorder_alone_keeps_unbuffered_hops_as_bytes_until_read(every, monke
         f(jnp.ones(3))
     assert [(e.step, np.asarray(e.value).tobytes()) for e in bare.events] == \
         [(e.step, np.asarray(e.value[1]).tobytes()) for e in per_event.events if "while" in e.path]
+
+
+def test_a_recorder_that_kept_bytes_pickles_and_copies_as_its_events():
+    import copy
+    import pickle
+    f = jax.jit(_mixed)
+    _, per_event = run(f, jnp.ones(3), on_step=lambda e: None)
+    for read_first in (False, True):
+        _, kept = run(f, jnp.ones(3))
+        if read_first:
+            kept.events
+        back = pickle.loads(pickle.dumps(kept))  # a kept block's decoder is a closure: it must not travel
+        assert as_bits(back.events) == as_bits(per_event.events) and len(back) == len(per_event)
+        assert as_bits(copy.deepcopy(kept).events) == as_bits(per_event.events)
+        assert back.df().drop(columns=["value_1"]).equals(per_event.df().drop(columns=["value_1"]))
+
+
+def test_a_read_recorder_holds_each_kept_event_once():
+    """Once read, a kept hop's bytes go: the recorder holds its events, as
+    per-event delivery's does, not the events and the bytes."""
+    import gc
+    import tracemalloc
+    f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c * 1.01, None), x, None, length=20)[0])
+    x = jnp.ones(250_000)  # 1 MB a hop
+    jax.block_until_ready(f(x))
+
+    def held(**cfg):
+        gc.collect()
+        tracemalloc.start()
+        try:
+            _, rec = run(f, x, **cfg)
+            events = rec.events
+            assert len(events) == 20
+            del events
+            gc.collect()
+            return rec, tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+
+    per_event, base = held(on_step=lambda e: None)
+    kept, mine = held()
+    assert base > 20e6 and mine < 1.25 * base
+    assert as_bits(kept.events) == as_bits(per_event.events)
+    assert sum(b.nbytes() for b in kept._events) == 20 * (4 + 1_000_000)  # a step and a row each
+
+
+@jax.tree_util.register_pytree_node_class
+class _Boxed:
+    """A custom node whose rebuilding calls JAX (as many ``__init__`` do)."""
+
+    def __init__(self, a):
+        self.a = jnp.asarray(a)
+
+    def tree_flatten(self):
+        return (self.a,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+
+def test_a_custom_node_is_rebuilt_in_its_hop_not_where_the_recorder_is_read():
+    f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c * 2, None), x, None, length=3)[0])
+    _, rec = run(f, jnp.ones(2), select=lambda leaves: _Boxed(leaves[0]))
+    seen = []
+
+    @jax.jit
+    def reads_inside_a_trace(y):
+        seen.extend(type(e.value.a) for e in rec.events)
+        return y
+
+    reads_inside_a_trace(1.0)
+    assert seen and not any(issubclass(t, jax.core.Tracer) for t in seen)
+    assert not any(isinstance(e.value.a, jax.core.Tracer) for e in rec.events)

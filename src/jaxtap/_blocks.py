@@ -97,6 +97,9 @@ class TapBlock:
 
     def _decode(self):
         raw, decode = self._raw
+        if raw is None:  # its event is built and its bytes are gone: the event's leaves, as one row
+            self._cols = [_frozen(np.asarray(v)[None]) for v in self._event_leaves()]
+            return
         steps, leaves, treedef, static, count = decode(np.frombuffer(raw, np.uint8)[None])
         self._treedef, self._static, self._count = treedef, static or {}, count
         self._cols = [_frozen(c) for c in leaves]
@@ -127,7 +130,11 @@ class TapBlock:
 
     def _materialized(self) -> List[TapEvent]:
         if self._events is None:
-            self._events = self._build()
+            raw = self._raw
+            if raw is not None and raw[0] is not None:
+                decode_kept([self])  # sets _events and lets the bytes go
+            if self._events is None:
+                self._events = self._build()
         return self._events
 
     def _build(self) -> List[TapEvent]:
@@ -139,6 +146,35 @@ class TapBlock:
         return [make_event(path, s, self._unflatten([r[i] for r in rows]), total, kind, lane, origin)
                 for i, s in enumerate(steps)]
 
+    def _settle(self, event, steps, treedef, static, count):
+        """A kept block, once its ``event`` is built: its hop's bytes go
+        (the recorder holds each event once, as per-event delivery would);
+        its columns, if ever asked for, are the event's leaves. Set before
+        the bytes go: a reader on another thread may be looking."""
+        self._treedef, self._static, self._count = treedef, static or {}, count
+        self._steps = steps
+        self._events = [event]
+        self._raw = (None, self._raw[1])
+
+    def _event_leaves(self) -> list:
+        """The array leaves of a settled block's one event, as its columns
+        hold them (kept bytes come from built-in containers alone)."""
+        value = self._events[0].value
+        if self._treedef is None:
+            return [value]
+        leaves = self._treedef.flatten_up_to(value)
+        return [v for i, v in enumerate(leaves) if i not in self._static]
+
+    def __getstate__(self):
+        """Picklable (and copyable): a kept block pickles as its event,
+        without its hop's bytes or their decoder (a closure)."""
+        if self._raw is not None:
+            self._materialized()
+        state = {name: getattr(self, name) for name in self.__slots__}
+        if state["_raw"] is not None:
+            state["_raw"] = (None, None)  # still marks one kept event (see FlightRecorder.df)
+        return None, state
+
     def tail(self, n: int) -> "TapBlock":
         """The last ``n`` rows (a view)."""
         cut = len(self) - n
@@ -147,8 +183,9 @@ class TapBlock:
                         count=self._count, origin=self.origin)
 
     def nbytes(self) -> int:
-        if self._cols is None:
-            return len(self._raw[0])
+        raw = self._raw
+        if self._cols is None and raw is not None and raw[0] is not None:
+            return len(raw[0])
         return int(self.steps.nbytes + sum(c.nbytes for c in self._leaves))
 
 
@@ -158,16 +195,18 @@ def decode_kept(items) -> None:
     per site instead of one per event, each block keeping its events."""
     groups: dict = {}
     for item in items:
-        if isinstance(item, TapBlock) and item._raw is not None and item._events is None:
-            key = (item._raw[1], item.path, item.kind, item.total)
-            groups.setdefault(key, []).append(item)
-    for (decode, path, kind, total), blocks in groups.items():
-        rows = np.frombuffer(b"".join([b._raw[0] for b in blocks]), np.uint8).reshape(len(blocks), -1)
+        if isinstance(item, TapBlock) and item._events is None:
+            raw = item._raw  # read once: another reader may be letting the bytes go
+            if raw is not None and raw[0] is not None:
+                groups.setdefault((raw[1], item.path, item.kind, item.total), []).append((item, raw[0]))
+    for (decode, path, kind, total), members in groups.items():
+        rows = np.frombuffer(b"".join([raw for _, raw in members]), np.uint8).reshape(len(members), -1)
         steps, leaves, treedef, static, count = decode(rows)
         whole = TapBlock(path, kind, total, None, steps, leaves=leaves, treedef=treedef, static=static,
                          count=count)
-        for block, event in zip(blocks, whole._build()):
-            block._events = [event]
+        steps = whole.steps
+        for i, ((block, _), event) in enumerate(zip(members, whole._build())):
+            block._settle(event, steps[i:i + 1], treedef, static, count)
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:

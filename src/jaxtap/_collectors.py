@@ -71,6 +71,14 @@ class FlightRecorder:
                 self._times.clear()
                 self._times.extend([None] * len(self._events))
 
+    def __getstate__(self):
+        """Picklable: blocks kept as their hops' bytes are decoded first (a
+        site at a time) and pickle as their events."""
+        with _BLOCK_LOCK:
+            items = list(self._events)
+        decode_kept(items)
+        return self.__dict__.copy()
+
     def keep_times(self) -> None:
         """Also keep each event's arrival time (for :meth:`timeline`)."""
         if self._times is None:

@@ -7,6 +7,7 @@ consumers that take them) and hands it to its sink, never raising.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 
@@ -265,9 +266,29 @@ def make_host_fn(metas, layouts, guard: Guard, sample_every, conditional=False):
     host.lanes = lanes
     meta = metas[0]
     if (len(metas) == 1 and not layouts[0].bare and not _is_block(meta) and not meta.gated and not meta.lanes
-            and not meta.backward):  # (one bare array: its event is as cheap, and smaller)
+            and not meta.backward and _pure_tree(layouts[0].treedef)):  # (one bare array: as cheap, smaller)
         host.raw = _kept_rows(meta, layouts[0], guard, sample_every, conditional)
     return host
+
+
+_PURE_NODES = (tuple, list, dict, type(None), collections.OrderedDict, collections.defaultdict)
+
+
+def _pure_tree(treedef) -> bool:
+    """Whether rebuilding ``treedef`` runs no user code: only built-in
+    containers (and namedtuples). A custom node's unflatten may call JAX
+    (``jnp.asarray`` in an ``__init__``): kept bytes would run it when the
+    recorder is read, on the reader's thread, device and trace (a tracer
+    inside ``jit``), not in the hop as per-event delivery does."""
+    try:
+        data = treedef.node_data()
+        if data is not None:
+            kind = data[0]
+            if kind not in _PURE_NODES and not (issubclass(kind, tuple) and hasattr(kind, "_fields")):
+                return False
+        return all(_pure_tree(c) for c in treedef.children())
+    except Exception:  # noqa: BLE001 - an unknown treedef: events as they come
+        return False
 
 
 def _kept_rows(meta, layout, guard, sample_every, conditional):

@@ -121,13 +121,11 @@ class FlightRecorder:
         """``append_block``, or None for a subclass that records events itself."""
         return self.append_block if type(self).append is FlightRecorder.append else None
 
-    def _bytes_appender(self):
-        """``append_block`` for one-event blocks kept as their hop's bytes
-        (:meth:`TapBlock.of_bytes`), or None: a bounded recorder keeps
-        objects, a subclass records events itself."""
-        if getattr(self._events, "maxlen", None) is not None:
-            return None
-        return self._block_appender()
+    def _keeps_bytes(self) -> bool:
+        """Whether ``append_block`` may take one-event blocks kept as their
+        hop's bytes (:meth:`TapBlock.of_bytes`): not a bounded recorder
+        (it keeps objects), nor a subclass that records events itself."""
+        return getattr(self._events, "maxlen", None) is None and self._block_appender() is not None
 
     def _appender(self):
         """The cheapest callable that records one event (the host's hot path)."""

@@ -200,8 +200,8 @@ def _sink(alert, recorder, consumer):
         if sink is consumer or sink is _nothing:  # never decorate the user's own callable
             sink = _forward(sink)
         sink.columns = columns
-        keep = getattr(recorder, "_bytes_appender", None)
-        if alert is None and consumer is None and keep is not None and keep() is not None:
+        keeps = getattr(recorder, "_keeps_bytes", None)
+        if alert is None and consumer is None and keeps is not None and keeps():
             sink.raw_rows = columns  # a recorder alone, unbounded: it may keep a hop's bytes
     return sink
 

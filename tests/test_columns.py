@@ -391,3 +391,48 @@ def test_a_custom_node_is_rebuilt_in_its_hop_not_where_the_recorder_is_read():
     reads_inside_a_trace(1.0)
     assert seen and not any(issubclass(t, jax.core.Tracer) for t in seen)
     assert not any(isinstance(e.value.a, jax.core.Tracer) for e in rec.events)
+
+
+def _mixed_step(c, _):
+    """One step over leaves of interleaved widths (a hop packs them by dtype)."""
+    i8, f32, flag, z, u16, bf, ints, f16, i4 = c
+    return (i8 + 1, f32 * 1.5, ~flag, z * (1 + 1j), u16 * 3, bf + 0.5, ints * 2 + 1, f16 * 0.75, i4 + 1), None
+
+
+def _mixed_carry(lane):
+    return (jnp.int8(3 + lane), jnp.float32(1.5 + lane), jnp.bool_(lane % 2 == 0), jnp.complex64(1 + 2j * lane),
+            jnp.uint16(7), jnp.bfloat16(2.5), jnp.arange(3, dtype=jnp.int32) + lane, jnp.float16(0.5),
+            jnp.array([1, -2, lane], jnp.int4))
+
+
+@pytest.mark.parametrize("flush_every", [None, 2])
+@pytest.mark.parametrize("batched", [False, True], ids=["plain", "vmap"])
+@pytest.mark.parametrize("kept", [True, False], ids=["recorder alone", "with on_step"])
+def test_a_carry_of_interleaved_dtypes_comes_back_leaf_for_leaf(flush_every, batched, kept):
+    """A hop joins leaves of one dtype, widest first, and the host takes them
+    apart: every leaf of every step must come back in its place, with its
+    dtype and bits (per-event delivery, kept bytes, buffered, per lane)."""
+    def f(c):
+        return jax.lax.scan(_mixed_step, c, None, length=3)[0]
+
+    lanes = [0, 1] if batched else [0]
+    c0 = jax.tree.map(lambda *v: jnp.stack(v), *map(_mixed_carry, lanes)) if batched else _mixed_carry(0)
+    g = jax.jit(jax.vmap(f) if batched else f)
+    extra = {} if kept else {"on_step": lambda e: None}
+    with tap.record(flush_every=flush_every, **extra) as rec:
+        out = g(c0)
+        jax.effects_barrier()
+    assert [np.asarray(a).tobytes() for a in jax.tree.leaves(out)] == \
+        [np.asarray(a).tobytes() for a in jax.tree.leaves(g(c0))]
+    for lane in lanes:
+        c, step_of = _mixed_carry(lane), {}
+        for k in range(3):
+            c = jax.jit(_mixed_step)(c, None)[0]
+            step_of[k] = c
+        got = [e for e in rec.events if (e.lane or 0) == lane]
+        assert [e.step for e in got] == [0, 1, 2]
+        for e in got:
+            want = jax.tree.leaves(step_of[e.step])
+            have = jax.tree.leaves(e.value)
+            assert [np.asarray(a).dtype for a in have] == [np.asarray(a).dtype for a in want]
+            assert [np.asarray(a).tobytes() for a in have] == [np.asarray(a).tobytes() for a in want]

@@ -31,16 +31,31 @@ class _Here(threading.local):
 _HERE = _Here()
 
 
+def byte_order(dtypes):
+    """The order of dtype groups in a packed buffer (``_emit._pack``):
+    widest first, then as first met, so every piece's view is aligned."""
+    seen = list(dict.fromkeys(dtypes))
+    return sorted(seen, key=lambda d: (-d.itemsize, seen.index(d)))
+
+
 def unpack_plan(layout):
     """Byte ranges of every piece in a packed buffer (computed once per hop
-    site), and whether a piece's view needs a reshape (not one axis)."""
-    plan, offset = [], 0
+    site), and whether a piece's view needs a reshape (not one axis).
+    Pieces of one dtype lie together, groups in :func:`byte_order`."""
+    sizes = {}
+    for _, _, shape, piece_dtypes in layout:
+        for pd in piece_dtypes:
+            sizes[pd] = sizes.get(pd, 0) + int(np.prod(shape, dtype=np.int64)) * pd.itemsize
+    start, offset = {}, 0
+    for pd in byte_order(sizes):
+        start[pd], offset = offset, offset + sizes[pd]
+    plan = []
     for kind, dtype, shape, piece_dtypes in layout:
         pieces = []
         for pd in piece_dtypes:
             n = int(np.prod(shape, dtype=np.int64)) * pd.itemsize
-            pieces.append((offset, offset + n, pd))
-            offset += n
+            pieces.append((start[pd], start[pd] + n, pd))
+            start[pd] += n
         plan.append((kind, dtype, shape, pieces, len(shape) != 1))
     return plan
 

@@ -74,10 +74,19 @@ class FlightRecorder:
     def __getstate__(self):
         """Picklable: blocks kept as their hops' bytes are decoded first (a
         site at a time) and pickle as their events."""
+        self._snapshot()
+        return self.__dict__.copy()
+
+    def _snapshot(self, times: bool = False):
+        """The stored items, listed under the lock, hops kept as bytes
+        decoded (a site at a time); with ``times``, also their arrival times."""
         with _BLOCK_LOCK:
             items = list(self._events)
+            stamps = None
+            if times:
+                stamps = list(self._times) if self._times is not None else [None] * len(items)
         decode_kept(items)
-        return self.__dict__.copy()
+        return (items, stamps) if times else items
 
     def keep_times(self) -> None:
         """Also keep each event's arrival time (for :meth:`timeline`)."""
@@ -164,10 +173,7 @@ class FlightRecorder:
         """
         from ._timeline import write_timeline
         spans = list(self._spans.spans) if self._spans is not None else []
-        with _BLOCK_LOCK:
-            items = list(self._events)
-            times = list(self._times) if self._times is not None else [None] * len(items)
-        decode_kept(items)
+        items, times = self._snapshot(times=True)
         events, stamps = [], []
         for item, t in zip(items, times):
             rows = item.events() if isinstance(item, TapBlock) else [item]
@@ -209,10 +215,7 @@ class FlightRecorder:
             ) from None
         base = ["path", "step"] + (["kind"] if kind else []) + (["total"] if total else [])
         frames, rows, run = [], [], []  # run: consecutive blocks' columns with the same names
-        with _BLOCK_LOCK:
-            items = list(self._events)
-        decode_kept(items)
-        for item in items:
+        for item in self._snapshot():
             if isinstance(item, TapBlock) and item._raw is not None:  # one unbuffered hop's event
                 item = item._materialized()[0]
             if not isinstance(item, TapBlock):

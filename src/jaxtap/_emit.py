@@ -508,10 +508,11 @@ class Buffer:
         """Device bytes one buffered step takes (its step number included)."""
         return 4 + sum(int(np.prod(s.shape, dtype=np.int64)) * np.dtype(s.dtype).itemsize for s in self.shapes)
 
-    def empty(self):
+    def empty(self, spare=True):
         # one row more than the capacity: where a step did not fire, its row
-        # is written there, past every row a flush delivers
-        rows = self.capacity + 1
+        # is written there, past every row a flush delivers (not needed when
+        # every write fires: an inner scan's block)
+        rows = self.capacity + int(spare)
         bufs = [_seam.varying_like(jnp.zeros((rows, *s.shape), s.dtype), s) for s in self.shapes]
         return [jnp.zeros((rows,), jnp.int32), *bufs]
 

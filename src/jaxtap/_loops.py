@@ -405,7 +405,8 @@ def _collect(metas, payloads, runner, k, guard, into):
         j2, bufs2 = buf.write(None, j, i, list(st2), bufs)
         return (i2, j2, *st2, *bufs2)
 
-    cs = _seam.while_loop(lambda cs: lax.lt(cs[0], n), c_body, (np.int32(0), np.int32(0), *state, *buf.empty()))
+    start = (np.int32(0), np.int32(0), *state, *buf.empty(spare=False))
+    cs = _seam.while_loop(lambda cs: lax.lt(cs[0], n), c_body, start)
     into.add(Block(metas, buf.layouts, total), list(cs[3 + n_state:]))  # rows in execution order; steps implied
     return list(cs[2:2 + n_state])
 

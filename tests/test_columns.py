@@ -436,3 +436,19 @@ def test_a_carry_of_interleaved_dtypes_comes_back_leaf_for_leaf(flush_every, bat
             have = jax.tree.leaves(e.value)
             assert [np.asarray(a).dtype for a in have] == [np.asarray(a).dtype for a in want]
             assert [np.asarray(a).tobytes() for a in have] == [np.asarray(a).tobytes() for a in want]
+
+
+@pytest.mark.parametrize("by_dtype", [False, True], ids=["piece by piece", "joined by dtype"])
+def test_both_ways_of_packing_a_hop_unpack_leaf_for_leaf(by_dtype):
+    """Either packing (each JAX uses one: ``_seam.JOIN_BY_DTYPE``) and its
+    plan agree: every leaf comes back with its dtype, shape and bits."""
+    from jaxtap._delivery import unpack, unpack_plan
+    from jaxtap._emit import _pack
+    leaves = jax.tree.leaves(_mixed_carry(1)) + [jnp.eye(3, dtype=jnp.float32), jnp.zeros((0, 2), jnp.int16),
+                                                jnp.complex64(3 - 1j), jax.random.key(3)]
+    packed, layout = jax.jit(lambda *a: _pack(a, by_dtype=by_dtype)[0])(*leaves), _pack(leaves, by_dtype)[1]
+    back = unpack(np.asarray(packed), unpack_plan(layout, by_dtype=by_dtype))
+    want = [np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) else x)
+            for x in leaves]
+    assert [(b.dtype, b.shape, b.tobytes()) for b in map(np.asarray, back)] == \
+        [(w.dtype, w.shape, w.tobytes()) for w in want]

@@ -14,6 +14,7 @@ import threading
 import jax
 import numpy as np
 
+from . import _seam
 from ._blocks import TapBlock, column_block
 from ._event import NO_ORIGIN, TapEvent, make_event
 from ._host import Guard
@@ -32,30 +33,35 @@ _HERE = _Here()
 
 
 def byte_order(dtypes):
-    """The order of dtype groups in a packed buffer (``_emit._pack``):
+    """The order of dtype groups in a buffer packed by dtype (``_emit._pack``):
     widest first, then as first met, so every piece's view is aligned."""
     seen = list(dict.fromkeys(dtypes))
     return sorted(seen, key=lambda d: (-d.itemsize, seen.index(d)))
 
 
-def unpack_plan(layout):
+def unpack_plan(layout, by_dtype=None):
     """Byte ranges of every piece in a packed buffer (computed once per hop
     site), and whether a piece's view needs a reshape (not one axis).
-    Pieces of one dtype lie together, groups in :func:`byte_order`."""
-    sizes = {}
-    for _, _, shape, piece_dtypes in layout:
-        for pd in piece_dtypes:
-            sizes[pd] = sizes.get(pd, 0) + int(np.prod(shape, dtype=np.int64)) * pd.itemsize
+    Pieces lie in order or, ``by_dtype`` (this JAX's way, see
+    ``_seam.JOIN_BY_DTYPE``), those of one dtype together, groups in
+    :func:`byte_order`."""
+    by_dtype = _seam.JOIN_BY_DTYPE if by_dtype is None else by_dtype
+    sizes = [int(np.prod(shape, dtype=np.int64)) * pd.itemsize for _, _, shape, pds in layout for pd in pds]
+    dtypes = [pd for _, _, _, pds in layout for pd in pds]
+    keys = dtypes if by_dtype else list(range(len(dtypes)))
+    total = {}
+    for key, n in zip(keys, sizes):
+        total[key] = total.get(key, 0) + n
     start, offset = {}, 0
-    for pd in byte_order(sizes):
-        start[pd], offset = offset, offset + sizes[pd]
-    plan = []
+    for key in (byte_order(total) if by_dtype else total):
+        start[key], offset = offset, offset + total[key]
+    plan, it = [], iter(zip(keys, sizes))
     for kind, dtype, shape, piece_dtypes in layout:
         pieces = []
         for pd in piece_dtypes:
-            n = int(np.prod(shape, dtype=np.int64)) * pd.itemsize
-            pieces.append((start[pd], start[pd] + n, pd))
-            start[pd] += n
+            key, n = next(it)
+            pieces.append((start[key], start[key] + n, pd))
+            start[key] += n
         plan.append((kind, dtype, shape, pieces, len(shape) != 1))
     return plan
 

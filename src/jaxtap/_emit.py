@@ -228,17 +228,16 @@ def _split_all(values):
     return operands, layouts
 
 
-def _pack(args):
+def _pack(args, by_dtype=None):
     """Every operand of a hop as bytes of ONE uint8 vector (traced).
 
     JAX moves each callback operand to the host separately, and that, not
     the bytes, dominates a hop's cost: one operand per hop is the cheapest.
-    Pieces of one dtype are joined in that dtype first and bitcast once
-    (widest dtypes first, so every piece lies aligned): XLA:CPU fuses no
-    concatenate of many operands with their bitcasts, and a kernel per leaf
-    cost a 34-leaf NUTS state ~12 µs a hop. :func:`_delivery.unpack_plan`
-    places the pieces the same way. Returns the vector and the layout the
-    host needs to unpack it.
+    ``by_dtype`` (this JAX's way, see ``_seam.JOIN_BY_DTYPE``): the pieces
+    of one dtype are joined first and bitcast once, widest dtypes first
+    (:func:`_delivery.unpack_plan` places them the same way); otherwise each
+    piece is bitcast on its own. Returns the vector and the layout the host
+    needs to unpack it.
     """
     pieces, layout = [], []
     for a in args:
@@ -257,18 +256,15 @@ def _pack(args):
         else:
             mine = [a]
         layout.append((kind, np.dtype(a.dtype), tuple(a.shape), [np.dtype(p.dtype) for p in mine]))
-        pieces.extend(mine)
-    groups = {}
-    for piece in pieces:
-        groups.setdefault(np.dtype(piece.dtype), []).append(piece.reshape(-1))
-    parts = []
-    for dtype in byte_order(groups):
-        flat = groups[dtype][0] if len(groups[dtype]) == 1 else jnp.concatenate(groups[dtype])
-        if dtype != np.uint8:
-            flat = jax.lax.bitcast_convert_type(flat, jnp.uint8).reshape(-1)
-        parts.append(flat)
-    if not parts:
+        pieces.extend(p.reshape(-1) for p in mine)
+    if not pieces:
         return jnp.zeros((0,), jnp.uint8), layout
+    if _seam.JOIN_BY_DTYPE if by_dtype is None else by_dtype:
+        groups = {}
+        for piece in pieces:
+            groups.setdefault(np.dtype(piece.dtype), []).append(piece)
+        pieces = [g[0] if len(g) == 1 else jnp.concatenate(g) for g in map(groups.get, byte_order(groups))]
+    parts = [p if p.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(p, jnp.uint8).reshape(-1) for p in pieces]
     return (parts[0] if len(parts) == 1 else jnp.concatenate(parts)), layout
 
 

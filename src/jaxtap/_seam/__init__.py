@@ -29,5 +29,6 @@ from .eqns import *  # noqa: F401,F403
 from .mesh import *  # noqa: F401,F403
 from .stack import *  # noqa: F401,F403
 from .staging import *  # noqa: F401,F403
-from .versions import JAX_VERSION, JAX_VERSION_TEXT, MISSING, TESTED_RANGE, check_at_import, tested  # noqa: F401
+from .versions import (JAX_VERSION, JAX_VERSION_TEXT, JOIN_BY_DTYPE, MISSING, TESTED_RANGE,  # noqa: F401
+                       check_at_import, tested)
 from . import monitor  # noqa: F401,E402  (compile-time signals: jit calls, spans, promotions)

@@ -394,7 +394,8 @@ def test_a_custom_node_is_rebuilt_in_its_hop_not_where_the_recorder_is_read():
 
 
 def _mixed_step(c, _):
-    """One step over leaves of interleaved widths (a hop packs them by dtype)."""
+    """One step over leaves of interleaved widths (a hop packs them piece by
+    piece or, on JAX 0.12, joined by dtype)."""
     i8, f32, flag, z, u16, bf, ints, f16, i4 = c
     return (i8 + 1, f32 * 1.5, ~flag, z * (1 + 1j), u16 * 3, bf + 0.5, ints * 2 + 1, f16 * 0.75, i4 + 1), None
 
@@ -409,9 +410,10 @@ def _mixed_carry(lane):
 @pytest.mark.parametrize("batched", [False, True], ids=["plain", "vmap"])
 @pytest.mark.parametrize("kept", [True, False], ids=["recorder alone", "with on_step"])
 def test_a_carry_of_interleaved_dtypes_comes_back_leaf_for_leaf(flush_every, batched, kept):
-    """A hop joins leaves of one dtype, widest first, and the host takes them
-    apart: every leaf of every step must come back in its place, with its
-    dtype and bits (per-event delivery, kept bytes, buffered, per lane)."""
+    """A hop packs leaves of interleaved dtypes (this JAX's way, see
+    ``_seam.JOIN_BY_DTYPE``) and the host takes them apart: every leaf of
+    every step must come back in its place, with its dtype and bits
+    (per-event delivery, kept bytes, buffered, per lane)."""
     def f(c):
         return jax.lax.scan(_mixed_step, c, None, length=3)[0]
 

@@ -259,7 +259,8 @@ def _pack(args, by_dtype=None):
         pieces.extend(p.reshape(-1) for p in mine)
     if not pieces:
         return jnp.zeros((0,), jnp.uint8), layout
-    if _seam.JOIN_BY_DTYPE if by_dtype is None else by_dtype:
+    by_dtype = _seam.JOIN_BY_DTYPE if by_dtype is None else by_dtype
+    if by_dtype:
         groups = {}
         for piece in pieces:
             groups.setdefault(np.dtype(piece.dtype), []).append(piece)

@@ -454,3 +454,50 @@ def test_both_ways_of_packing_a_hop_unpack_leaf_for_leaf(by_dtype):
             for x in leaves]
     assert [(b.dtype, b.shape, b.tobytes()) for b in map(np.asarray, back)] == \
         [(w.dtype, w.shape, w.tobytes()) for w in want]
+
+
+def _lanes_while(x):
+    """Lanes that finish at different steps (their later hops carry a false flag)."""
+    return jax.lax.while_loop(lambda s: s[1] < 3.0, lambda s: (s[0] + 1, s[1] * 1.5 + 0.1, s[2] ^ 1),
+                              (0, x, jnp.int8(1)))
+
+
+def _lanes_scan(x):
+    return jax.lax.scan(lambda c, _: ({"a": c["a"] * 0.5 + 1.0, "n": c["n"] + 1}, None),
+                        {"a": x * jnp.ones(2), "n": jnp.int32(0)}, None, length=7)[0]
+
+
+LANE_CASES = {
+    "while, lanes finish apart": (jax.vmap(_lanes_while), {}),
+    "scan, dict carry": (jax.vmap(_lanes_scan), {}),
+    "bare select": (jax.vmap(_lanes_scan), {"select": lambda leaves: leaves[0]}),
+    "sample_every=3": (jax.vmap(_lanes_while), {"sample_every": 3}),
+    "nested vmap": (jax.vmap(jax.vmap(_lanes_scan)), {}),
+}
+
+
+@pytest.mark.parametrize("case", LANE_CASES, ids=list(LANE_CASES))
+def test_a_recorder_alone_keeps_a_vmapped_hops_lanes_as_bytes_until_read(case, monkeypatch):
+    """A wide vmap's hop: the recorder keeps every lane's row as one block of
+    bytes (nothing unpacked while running), and reading it gives the events
+    per-event delivery gives, in the same order, df and pickles included."""
+    import pickle
+    from jaxtap import _delivery
+    fn, cfg = LANE_CASES[case]
+    x = jnp.linspace(0.2, 1.3, 6).reshape(2, 3) if case == "nested vmap" else jnp.linspace(0.2, 1.3, 5)
+    f = jax.jit(fn)
+    unpacked = []
+    real = _delivery.unpack
+    monkeypatch.setattr(_delivery, "unpack", lambda buf, plan: unpacked.append(np.shape(buf)) or real(buf, plan))
+    out, kept = run(f, x, **cfg)
+    running = list(unpacked)
+    _, per_event = run(f, x, on_step=lambda e: None, **cfg)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(f(x))))
+    blocks = [i for i in kept._events if isinstance(i, tap.TapBlock)]
+    assert running == [] and blocks and all(b.lanes is not None for b in blocks)
+    assert len(blocks) < len(per_event)
+    assert len(kept) == len(per_event) > 0
+    assert as_bits(kept.events) == as_bits(per_event.events)
+    assert kept.df().equals(per_event.df())
+    back = pickle.loads(pickle.dumps(run(f, x, **cfg)[1]))
+    assert as_bits(back.events) == as_bits(per_event.events)

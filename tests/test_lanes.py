@@ -110,3 +110,23 @@ def test_a_hop_in_differentiable_code_stays_one_callback_under_vmap():
                           np.asarray(out))
     grads = jax.vmap(jax.grad(g))(x)
     assert_bits(grads, jax.vmap(jax.grad(f))(x))
+
+
+def test_a_hop_of_many_lanes_is_one_operand_and_every_lane_arrives():
+    """A hop's operand is split in columns of at most ``_CHUNK`` bytes (large
+    callback operands are copied asynchronously); past ``_CHUNK`` lanes even
+    one byte column is larger, so the hop stays one operand rather than one
+    per byte (numpyro's test_subsample_fn: 1M lanes, 84 bytes each)."""
+    from jaxtap import _emit
+    per = [int(np.prod(c.shape)) for c in _emit._chunks(jnp.zeros((1000, 300), jnp.uint8))]
+    assert len(per) > 1 and max(per) <= _emit._CHUNK and sum(per) == 300_000
+    assert len(_emit._chunks(jnp.zeros((_emit._CHUNK + 1, 84), jnp.uint8))) == 1
+    n = 120_000
+    f = jax.jit(jax.vmap(lambda x: jax.lax.scan(lambda c, _: (c * 3 + 1, None), x, None, length=2)[0]))
+    x = jnp.arange(n, dtype=jnp.int32)
+    with tap.record() as rec:
+        out = sync(f(x))
+    assert np.array_equal(out, f(x))
+    events = rec.events
+    assert len(events) == 2 * n
+    assert [(e.step, e.lane, int(e.value[0])) for e in events[n - 1:n + 1]] == [(0, n - 1, 3 * (n - 1) + 1), (1, 0, 4)]

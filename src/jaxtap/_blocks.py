@@ -11,6 +11,7 @@ delivery.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, List, Optional
 
 import jax
@@ -26,6 +27,10 @@ class TapBlock:
     ----------
     path, kind, total, lane
         As on every :class:`TapEvent` of the block.
+    lanes : numpy.ndarray or None
+        Each row's lane (int), for a block of the lanes of one vmapped hop
+        (only a recorder receives such blocks); None when every row's lane
+        is ``lane``.
     origin : tuple
         ``(shard, device, process)`` of every event of the block (see
         :class:`TapEvent`); ``(None, None, None)`` on one device.
@@ -44,11 +49,12 @@ class TapBlock:
     """
 
     __slots__ = ("path", "kind", "total", "lane", "origin", "_steps", "_cols", "_treedef", "_static", "_count",
-                 "_events", "_raw")
+                 "_events", "_raw", "_lanes")
 
     def __init__(self, path, kind, total, lane, steps, values=None, *, leaves=None, treedef=None, static=None,
-                 count=None, origin=NO_ORIGIN):
+                 count=None, origin=NO_ORIGIN, lanes=None):
         self.path, self.kind, self.total, self.lane, self.origin = path, kind, total, lane, tuple(origin)
+        self._lanes = None if lanes is None else _frozen(np.asarray(lanes))
         self._steps = _frozen(np.asarray(steps))
         if leaves is None:  # a bare column
             leaves, treedef, static, count = [values], None, {}, 1
@@ -64,23 +70,30 @@ class TapBlock:
         steps.flags.writeable = column.flags.writeable = False
         self.path, self.kind, self.total, self.lane, self.origin = path, kind, total, lane, origin
         self._steps, self._cols, self._treedef, self._static, self._count = steps, [column], None, {}, 1
-        self._events = self._raw = None
+        self._events = self._raw = self._lanes = None
         return self
 
     @classmethod
-    def of_bytes(cls, path, kind, total, raw, decode) -> "TapBlock":
+    def of_bytes(cls, path, kind, total, raw, decode, lanes=None) -> "TapBlock":
         """One event kept as the bytes its hop brought (``raw``, a copy):
         ``decode(raws)`` turns a stack of such rows (2-d uint8, one row
         per event) into ``(steps, leaves, treedef, static, count)``, and
         runs only when someone reads the block (the unbuffered hot path of
         a recorder: a carry of many leaves costs one copy, not one array
-        per leaf)."""
+        per leaf). With ``lanes`` (each row's lane), ``raw`` holds the rows
+        of a vmapped hop's lanes, one event each."""
         self = cls.__new__(cls)
         self.path, self.kind, self.total, self.lane, self.origin = path, kind, total, None, NO_ORIGIN
         self._steps = self._cols = self._events = None
         self._treedef, self._static, self._count = None, {}, 1
         self._raw = (raw, decode)
+        self._lanes = None if lanes is None else _frozen(lanes)
         return self
+
+    @property
+    def lanes(self) -> Optional[np.ndarray]:
+        """Each row's lane, or None when every row's is ``lane``."""
+        return self._lanes
 
     @property
     def steps(self) -> np.ndarray:
@@ -96,17 +109,25 @@ class TapBlock:
         return self._cols
 
     def _decode(self):
-        raw, decode = self._raw
+        kept = self._raw
+        if kept is None:
+            return  # lanes decoded meanwhile on another thread (their columns are set first)
+        raw, decode = kept
+        if self._lanes is not None:
+            _decode_lanes(decode, [(self, raw)])
+            return
         if raw is None:  # its event is built and its bytes are gone: the event's leaves, as one row
             self._cols = [_frozen(np.asarray(v)[None]) for v in self._event_leaves()]
             return
-        steps, leaves, treedef, static, count = decode(np.frombuffer(raw, np.uint8)[None])
+        steps, leaves, treedef, static, count = decode(np.frombuffer(raw, np.uint8).reshape(len(self), -1))
         self._treedef, self._static, self._count = treedef, static or {}, count
         self._cols = [_frozen(c) for c in leaves]
         self._steps = _frozen(steps)  # last: a reader on another thread waits on it
 
     def __len__(self) -> int:
-        return 1 if self._steps is None else len(self._steps)
+        if self._steps is None:
+            return 1 if self._lanes is None else len(self._lanes)
+        return len(self._steps)
 
     def __repr__(self) -> str:
         return f"TapBlock(path={self.path!r}, kind={self.kind!r}, {len(self)} events)"
@@ -139,12 +160,13 @@ class TapBlock:
 
     def _build(self) -> List[TapEvent]:
         rows = [_rows(c) for c in self._leaves]
-        path, kind, total, lane, origin = self.path, self.kind, self.total, self.lane, self.origin
+        path, kind, total, origin = self.path, self.kind, self.total, self.origin
         steps = self.steps.tolist()
+        lanes = itertools.repeat(self.lane) if self._lanes is None else self._lanes.tolist()
         if self._treedef is None:
-            return [make_event(path, s, v, total, kind, lane, origin) for s, v in zip(steps, rows[0])]
-        return [make_event(path, s, self._unflatten([r[i] for r in rows]), total, kind, lane, origin)
-                for i, s in enumerate(steps)]
+            return [make_event(path, s, v, total, kind, ln, origin) for s, v, ln in zip(steps, rows[0], lanes)]
+        return [make_event(path, s, self._unflatten([r[i] for r in rows]), total, kind, ln, origin)
+                for i, (s, ln) in enumerate(zip(steps, lanes))]
 
     def _settle(self, event, steps, treedef, static, count):
         """A kept block, once its ``event`` is built: its hop's bytes go
@@ -169,6 +191,8 @@ class TapBlock:
         """Picklable (and copyable): a kept block pickles as its event,
         without its hop's bytes or their decoder (a closure)."""
         if self._raw is not None:
+            decode_kept([self])
+        if self._raw is not None:
             self._materialized()
         state = {name: getattr(self, name) for name in self.__slots__}
         if state["_raw"] is not None:
@@ -180,7 +204,8 @@ class TapBlock:
         cut = len(self) - n
         return TapBlock(self.path, self.kind, self.total, self.lane, self.steps[cut:],
                         leaves=[c[cut:] for c in self._leaves], treedef=self._treedef, static=self._static,
-                        count=self._count, origin=self.origin)
+                        count=self._count, origin=self.origin,
+                        lanes=None if self._lanes is None else self._lanes[cut:])
 
     def nbytes(self) -> int:
         raw = self._raw
@@ -192,14 +217,19 @@ class TapBlock:
 def decode_kept(items) -> None:
     """Decode every block in ``items`` still kept as bytes (see
     :meth:`TapBlock.of_bytes`), a site at a time: one stack and one unpack
-    per site instead of one per event, each block keeping its events."""
+    per site instead of one per event, each one-event block keeping its
+    event, each block of lanes its columns."""
     groups: dict = {}
     for item in items:
         if isinstance(item, TapBlock) and item._events is None:
             raw = item._raw  # read once: another reader may be letting the bytes go
             if raw is not None and raw[0] is not None:
-                groups.setdefault((raw[1], item.path, item.kind, item.total), []).append((item, raw[0]))
-    for (decode, path, kind, total), members in groups.items():
+                key = (raw[1], item.path, item.kind, item.total, item._lanes is not None)
+                groups.setdefault(key, []).append((item, raw[0]))
+    for (decode, path, kind, total, lanes), members in groups.items():
+        if lanes:
+            _decode_lanes(decode, members)
+            continue
         rows = np.frombuffer(b"".join([raw for _, raw in members]), np.uint8).reshape(len(members), -1)
         steps, leaves, treedef, static, count = decode(rows)
         whole = TapBlock(path, kind, total, None, steps, leaves=leaves, treedef=treedef, static=static,
@@ -207,6 +237,23 @@ def decode_kept(items) -> None:
         steps = whole.steps
         for i, ((block, _), event) in enumerate(zip(members, whole._build())):
             block._settle(event, steps[i:i + 1], treedef, static, count)
+
+
+def _decode_lanes(decode, members) -> None:
+    """Blocks of lanes kept as bytes, decoded in one unpack: each keeps its
+    rows of the stacked columns (views), and builds events when asked."""
+    n = sum(len(block) for block, _ in members)
+    rows = np.frombuffer(b"".join([raw for _, raw in members]), np.uint8).reshape(n, -1)
+    steps, leaves, treedef, static, count = decode(rows)
+    steps, leaves = _frozen(steps), [_frozen(c) for c in leaves]
+    at = 0
+    for block, _ in members:
+        end = at + len(block)
+        block._treedef, block._static, block._count = treedef, static or {}, count
+        block._cols = [c[at:end] for c in leaves]
+        block._steps = steps[at:end]
+        block._raw = None  # last: a reader on another thread checks it
+        at = end
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:

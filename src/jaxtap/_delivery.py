@@ -286,9 +286,11 @@ def make_host_fn(metas, layouts, guard: Guard, sample_every, conditional=False):
 
     host.lanes = lanes
     meta = metas[0]
-    if (len(metas) == 1 and not layouts[0].bare and not _is_block(meta) and not meta.gated and not meta.lanes
-            and not meta.backward and _pure_tree(layouts[0].treedef)):  # (one bare array: as cheap, smaller)
-        host.raw = _kept_rows(meta, layouts[0], guard, sample_every, conditional)
+    if (len(metas) == 1 and not _is_block(meta) and not meta.gated and not meta.lanes and not meta.backward
+            and (layouts[0].bare or _pure_tree(layouts[0].treedef))):
+        if not layouts[0].bare:  # (one bare array: as cheap per event, and smaller)
+            host.raw = _kept_rows(meta, layouts[0], guard, sample_every, conditional)
+        host.raw_lanes = _kept_lanes(meta, layouts[0], guard, sample_every, conditional)
     return host
 
 
@@ -339,6 +341,46 @@ def _kept_rows(meta, layout, guard, sample_every, conditional):
             if decode is None:
                 decode = decoders[id(plan)] = _decoder(plan, layout, skip)
             rows(TapBlock.of_bytes(target[1], meta.kind, meta.total, buf.tobytes(), decode))
+        except Exception as exc:  # noqa: BLE001 - totality
+            guard.failed(exc)
+        return True
+
+    return raw
+
+
+def _kept_lanes(meta, layout, guard, sample_every, conditional):
+    """``raw(buf, plan) -> handled?`` for a vmapped hop (``buf``: one row of
+    packed bytes per lane): as :func:`_kept_rows`, the lanes that fire kept
+    as one :meth:`TapBlock.of_bytes` of one row (event) per lane, in lane
+    order. A wide ``vmap`` then costs its recorder one copy per hop, not
+    an event per lane."""
+    decoders = {}
+    skip = 2 if conditional else 1
+
+    def raw(buf, plan):
+        if buf.ndim != 2:
+            return False  # lanes of nested vmaps: one by one
+        target = _resolve(meta, guard)
+        if target is None:
+            return True
+        rows = getattr(target[0], "raw_rows", None)
+        if rows is None:
+            return False
+        try:
+            keep = np.ones(len(buf), bool)
+            if conditional:  # the flag: which lanes fired
+                keep &= buf[:, plan[1][3][0][0]] != 0
+            if sample_every > 1:
+                a, b, pd = plan[0][3][0]
+                keep &= np.ascontiguousarray(buf[:, a:b]).view(pd)[:, 0] % sample_every == 0
+            lanes = np.flatnonzero(keep)
+            if not len(lanes):
+                return True
+            decode = decoders.get(id(plan))
+            if decode is None:
+                decode = decoders[id(plan)] = _decoder(plan, layout, skip)
+            kept = buf if len(lanes) == len(buf) else buf[lanes]
+            rows(TapBlock.of_bytes(target[1], meta.kind, meta.total, kept.tobytes(), decode, lanes=lanes))
         except Exception as exc:  # noqa: BLE001 - totality
             guard.failed(exc)
         return True

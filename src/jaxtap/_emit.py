@@ -301,6 +301,7 @@ def hop(host, args, batched=True):
         plan = _unpack_plan(layout)
 
         raw = getattr(host, "raw", None) if origin is None else None
+        raw_lanes = getattr(host, "raw_lanes", None) if origin is None else None
 
         def one(*parts):
             buf = _joined(parts)
@@ -312,7 +313,10 @@ def hop(host, args, batched=True):
             host(*arrays)
 
         def lanes(*parts):
-            _tagged(origin, _unpack(_joined(parts), plan), _lanes)  # (lanes, ...) each
+            buf = _joined(parts)
+            if raw_lanes is not None and raw_lanes(np.asarray(buf), plan):
+                return  # kept as bytes by a recorder, a row per lane
+            _tagged(origin, _unpack(buf, plan), _lanes)  # (lanes, ...) each
 
         def _lanes(arrays):
             fast = getattr(host, "lanes", None)
@@ -352,9 +356,9 @@ def _chunks(a) -> tuple:
     """A packed (traced) vector as operands of at most ``_CHUNK`` bytes,
     split along its last axis (leading axes: lanes)."""
     rows = int(np.prod(a.shape[:-1], dtype=np.int64)) or 1
-    per, n = max(1, _CHUNK // rows), a.shape[-1]
-    if n <= per:
-        return (a,)
+    per, n = _CHUNK // rows, a.shape[-1]
+    if n <= per or not per:  # (not per: so many lanes that even one byte column passes the limit; one
+        return (a,)          # operand then, not one per byte, each as large and as slow to copy)
     return tuple(jax.lax.slice_in_dim(a, i, min(i + per, n), axis=a.ndim - 1) for i in range(0, n, per))
 
 

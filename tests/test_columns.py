@@ -501,3 +501,67 @@ def test_a_recorder_alone_keeps_a_vmapped_hops_lanes_as_bytes_until_read(case, m
     assert kept.df().equals(per_event.df())
     back = pickle.loads(pickle.dumps(run(f, x, **cfg)[1]))
     assert as_bits(back.events) == as_bits(per_event.events)
+
+
+@pytest.mark.parametrize("flush_every", [1, 4])
+@pytest.mark.parametrize("case", ["while, lanes finish apart", "scan, dict carry", "bare select", "nested vmap"])
+def test_a_recorder_alone_takes_a_vmapped_buffered_hop_as_one_block(case, flush_every):
+    """Buffered under vmap: each flush's rows of every lane (as many as each
+    lane wrote) reach a recorder as one block, lane after lane, and read back
+    as the events lane-by-lane delivery gives."""
+    fn, cfg = LANE_CASES[case]
+    x = jnp.linspace(0.2, 1.3, 6).reshape(2, 3) if case == "nested vmap" else jnp.linspace(0.2, 1.3, 5)
+    f = jax.jit(fn)
+    out, kept = run(f, x, flush_every=flush_every, **cfg)
+    _, per_event = run(f, x, on_step=lambda e: None, flush_every=flush_every, **cfg)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(f(x))))
+    blocks = [i for i in kept._events if isinstance(i, tap.TapBlock)]
+    assert blocks and all(b.lanes is not None for b in blocks) and len(blocks) < len(per_event)
+    assert len(kept) == len(per_event) > 0
+    assert as_bits(kept.events) == as_bits(per_event.events)
+    assert kept.df().equals(per_event.df())
+
+
+def _numbers():
+    rng = np.random.default_rng(7)
+    mags = 10.0 ** rng.uniform(-320, 308, 200_000)
+    edges = [0.0, -0.0, 1e-4, -1e-4, 9.999999999999999e-05, 1e-5, 1e15, 1e16, 9999999999999998.0, 1e16 + 2, 0.1,
+             5e-324, 1.7976931348623157e308, 1.0, 3.0, 123456789.0, 2.0 ** 53, 2.0 ** 60]
+    f64 = np.concatenate([mags * rng.choice([-1, 1], mags.size), edges, rng.normal(size=10_000),
+                          rng.integers(-10**6, 10**6, 10_000).astype(float)])
+    with np.errstate(over="ignore"):  # (magnitudes past float32's range become inf, then go)
+        f32 = np.concatenate([f64.astype(np.float32), np.array([np.float32(2.0) ** -130], np.float32)])
+    f32 = f32[np.isfinite(f32)]
+    ints = [rng.integers(-2**31, 2**31, 10_000).astype(np.int32), rng.integers(-2**63, 2**63 - 1, 10_000),
+            np.array([0, -1, 2**63 - 1, -2**63], np.int64)]
+    return [f64, f32, *ints]
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["orjson", "repr"])
+def test_a_blocks_numbers_are_written_as_python_writes_them(fast, monkeypatch):
+    """The JSONL block writer's number texts (orjson's C digits where
+    installed) equal ``repr`` of the Python number, at every magnitude."""
+    from jaxtap import _jsonl
+    if fast:
+        pytest.importorskip("orjson")
+    else:
+        monkeypatch.setattr(_jsonl, "_orjson", None)
+    for col in _numbers():
+        assert _jsonl._number_texts(col) == list(map(repr, col.tolist())), col.dtype
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["orjson", "repr"])
+def test_jsonl_block_lines_equal_event_lines_at_every_magnitude(fast, tmp_path, monkeypatch):
+    from jaxtap import _jsonl
+    if not fast:
+        monkeypatch.setattr(_jsonl, "_orjson", None)
+    f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c * 7.3e-3, None), x, None, length=60)[0])
+    texts = []
+    for name, wrap in (("b", lambda w: w), ("e", lambda w: (lambda e: w(e)))):
+        path = tmp_path / f"{name}.jsonl"
+        with tap.JSONLWriter(path) as w:
+            with tap.record(select=lambda leaves: leaves[0], flush_every=25, on_step=wrap(w)):
+                f(jnp.float32(3e30))
+        texts.append(path.read_text())
+    assert texts[0] == texts[1] and len(texts[0].splitlines()) == 60
+    assert "e-" in texts[0] and "e+" in texts[0]  # magnitudes repr writes with an exponent

@@ -423,4 +423,42 @@ def make_buffer_host(metas, layouts, guard: Guard):
         for row in range(count):
             _deliver_row(metas, layouts, guard, steps[row], arrays, row, lane)
 
+    def lanes(count, steps, *arrays):
+        """Every lane of a vmapped buffered hop (each array: lanes, rows, ...)."""
+        if len(metas) == 1 and _buffered_lanes(metas[0], layouts[0], guard, count, steps, arrays):
+            return
+        for lane in range(np.shape(count)[0]):
+            host(count[lane], steps[lane], *[a[lane] for a in arrays], lane=lane)
+
+    host.lanes = lanes
     return host
+
+
+def _buffered_lanes(meta, layout, guard, counts, steps, arrays) -> bool:
+    """A vmapped buffered hop as ONE block of every lane's rows, lane after
+    lane (the order lane-by-lane delivery gives), for a recorder alone
+    (``sink.raw_rows``); False when the rows must go lane by lane."""
+    if _is_block(meta) or meta.gated or meta.lanes or meta.backward or np.ndim(counts) != 1:
+        return False
+    target = _resolve(meta, guard)
+    if target is None:
+        return True
+    rows = getattr(target[0], "raw_rows", None)
+    if rows is None:
+        return False
+    try:
+        counts, steps = np.asarray(counts).astype(np.int64), np.asarray(steps)
+        fired = np.arange(steps.shape[1]) < counts[:, None]
+        lanes = np.repeat(np.arange(len(counts)), counts)
+        if len(lanes):
+            cols = [np.asarray(a)[fired] for a in arrays]  # (boolean indexing copies)
+            steps, origin = steps[fired], meta.origin()
+            if layout.bare:
+                block = TapBlock(target[1], meta.kind, meta.total, None, steps, cols[0], lanes=lanes, origin=origin)
+            else:
+                block = TapBlock(target[1], meta.kind, meta.total, None, steps, leaves=cols, treedef=layout.treedef,
+                                 static=layout.static, count=layout.count, lanes=lanes, origin=origin)
+            rows(block)
+    except Exception as exc:  # noqa: BLE001 - totality
+        guard.failed(exc)
+    return True

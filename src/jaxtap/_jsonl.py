@@ -11,6 +11,7 @@ anything is allocated. Files written by jax-tap 0.3.1 (``value_kind`` /
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import re
@@ -24,6 +25,11 @@ from . import _seam
 from ._collectors import _flatten_value
 from ._event import KINDS, TAG_FIELDS, TapEvent, make_event
 from ._host import TapWarning, warn_once_now
+
+try:  # optional (``jax-tap[fast]``): numbers' text in C, 20x faster than repr
+    import orjson as _orjson
+except Exception:  # noqa: BLE001 - absent or broken: repr writes the same text
+    _orjson = None
 
 _ERRORS = ("raise", "skip")
 
@@ -101,8 +107,26 @@ def _block_text(block):
     if not sep or len(parts) != 3 or str(_STEP_MARK) in rest or value_text in head:
         return None
     mid, between, tail = parts
-    texts = map(repr, col.tolist())  # each value's text once: it appears twice per line
-    return "".join([f"{head}{s}{mid}{v}{between}{v}{tail}" for s, v in zip(block.steps.tolist(), texts)])
+    texts = _number_texts(col)  # each value's text once: it appears twice per line
+    steps = _number_texts(block.steps)
+    r = itertools.repeat  # the lines' pieces in one C-level join (no Python frame per line)
+    return "".join(itertools.chain.from_iterable(zip(r(head), steps, r(mid), texts, r(between), texts, r(tail))))
+
+
+def _number_texts(col) -> list:
+    """``repr`` of each number of a 1-d int or finite float column, as
+    Python writes it (a float32 as the float64 it widens to). With orjson
+    the digits come from C (the same shortest round-trip digits); only
+    its positional form of magnitudes below 1e-4 differs from repr's
+    exponent form, so those few are written by repr."""
+    if _orjson is None:
+        return list(map(repr, col.tolist()))
+    wide = col.astype(np.float64 if col.dtype.kind == "f" else np.int64)
+    texts = _orjson.dumps(wide, option=_orjson.OPT_SERIALIZE_NUMPY).decode("ascii")[1:-1].split(",")
+    if col.dtype.kind == "f":
+        for i in np.flatnonzero((np.abs(wide) < 1e-4) & (wide != 0)).tolist():
+            texts[i] = repr(float(wide[i]))
+    return texts
 
 
 class JSONLWriter:

@@ -1,6 +1,7 @@
 """Columnar delivery of buffered telemetry: a hop's rows stay columns
 (``TapBlock``) in the recorder, the JSONL writer, the CLI and ``on_block``
 consumers, and become the same TapEvents, in the same order, on demand."""
+import dataclasses
 import json
 
 import jax
@@ -467,13 +468,21 @@ def _lanes_scan(x):
                         {"a": x * jnp.ones(2), "n": jnp.int32(0)}, None, length=7)[0]
 
 
-LANE_CASES = {
-    "while, lanes finish apart": (jax.vmap(_lanes_while), {}),
-    "scan, dict carry": (jax.vmap(_lanes_scan), {}),
-    "bare select": (jax.vmap(_lanes_scan), {"select": lambda leaves: leaves[0]}),
-    "sample_every=3": (jax.vmap(_lanes_while), {"sample_every": 3}),
-    "nested vmap": (jax.vmap(jax.vmap(_lanes_scan)), {}),
+LANE_CASES = {  # (the vmapped program, its options, the program of one lane)
+    "while, lanes finish apart": (jax.vmap(_lanes_while), {}, _lanes_while),
+    "scan, dict carry": (jax.vmap(_lanes_scan), {}, _lanes_scan),
+    "bare select": (jax.vmap(_lanes_scan), {"select": lambda leaves: leaves[0]}, _lanes_scan),
+    "sample_every=3": (jax.vmap(_lanes_while), {"sample_every": 3}, _lanes_while),
+    "nested vmap": (jax.vmap(jax.vmap(_lanes_scan)), {}, None),
 }
+
+
+def _each_lane_alone(events, one, x, **cfg):
+    """Each lane's events (vmapped run) are the events of that lane run alone."""
+    for lane in range(len(x)):
+        _, alone = run(jax.jit(one), x[lane], **cfg)
+        mine = [dataclasses.replace(e, lane=None) for e in events if e.lane == lane]
+        assert as_bits(mine) == as_bits(alone.events) and mine
 
 
 @pytest.mark.parametrize("case", LANE_CASES, ids=list(LANE_CASES))
@@ -483,7 +492,7 @@ def test_a_recorder_alone_keeps_a_vmapped_hops_lanes_as_bytes_until_read(case, m
     per-event delivery gives, in the same order, df and pickles included."""
     import pickle
     from jaxtap import _delivery
-    fn, cfg = LANE_CASES[case]
+    fn, cfg, one = LANE_CASES[case]
     x = jnp.linspace(0.2, 1.3, 6).reshape(2, 3) if case == "nested vmap" else jnp.linspace(0.2, 1.3, 5)
     f = jax.jit(fn)
     unpacked = []
@@ -498,6 +507,8 @@ def test_a_recorder_alone_keeps_a_vmapped_hops_lanes_as_bytes_until_read(case, m
     assert len(blocks) < len(per_event)
     assert len(kept) == len(per_event) > 0
     assert as_bits(kept.events) == as_bits(per_event.events)
+    if one is not None:
+        _each_lane_alone(kept.events, one, x, **cfg)
     assert kept.df().equals(per_event.df())
     back = pickle.loads(pickle.dumps(run(f, x, **cfg)[1]))
     assert as_bits(back.events) == as_bits(per_event.events)
@@ -509,7 +520,7 @@ def test_a_recorder_alone_takes_a_vmapped_buffered_hop_as_one_block(case, flush_
     """Buffered under vmap: each flush's rows of every lane (as many as each
     lane wrote) reach a recorder as one block, lane after lane, and read back
     as the events lane-by-lane delivery gives."""
-    fn, cfg = LANE_CASES[case]
+    fn, cfg, one = LANE_CASES[case]
     x = jnp.linspace(0.2, 1.3, 6).reshape(2, 3) if case == "nested vmap" else jnp.linspace(0.2, 1.3, 5)
     f = jax.jit(fn)
     out, kept = run(f, x, flush_every=flush_every, **cfg)
@@ -519,6 +530,8 @@ def test_a_recorder_alone_takes_a_vmapped_buffered_hop_as_one_block(case, flush_
     assert blocks and all(b.lanes is not None for b in blocks) and len(blocks) < len(per_event)
     assert len(kept) == len(per_event) > 0
     assert as_bits(kept.events) == as_bits(per_event.events)
+    if one is not None:
+        _each_lane_alone(per_event.events, one, x, flush_every=flush_every, **cfg)
     assert kept.df().equals(per_event.df())
 
 

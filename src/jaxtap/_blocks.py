@@ -165,6 +165,10 @@ class TapBlock:
         lanes = itertools.repeat(self.lane) if self._lanes is None else self._lanes.tolist()
         if self._treedef is None:
             return [make_event(path, s, v, total, kind, ln, origin) for s, v, ln in zip(steps, rows[0], lanes)]
+        if rows and not self._static:  # every leaf a column: one C-level unflatten per event
+            unflatten = self._treedef.unflatten
+            return [make_event(path, s, unflatten(v), total, kind, ln, origin)
+                    for s, v, ln in zip(steps, zip(*rows), lanes)]
         return [make_event(path, s, self._unflatten([r[i] for r in rows]), total, kind, ln, origin)
                 for i, (s, ln) in enumerate(zip(steps, lanes))]
 

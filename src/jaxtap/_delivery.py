@@ -8,7 +8,6 @@ consumers that take them) and hands it to its sink, never raising.
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 
 import jax
@@ -154,9 +153,8 @@ def _deliver_lanes(meta, step, value):
         meta.deliver(make_event(meta.path, step, one, meta.total, meta.kind, i, origin), meta.top)
 
 
-def _deliver_column(meta, guard, steps, column, count, lane, rows_are_lanes=False):
-    """Deliver ``count`` rows of one bare array (a buffer's steps, or a vmapped
-    hop's lanes): the hot path.
+def _deliver_column(meta, guard, steps, column, count, lane):
+    """Deliver ``count`` rows of one bare array (a buffer's steps): the hot path.
 
     A sink may offer ``resolve(path, kind, top) -> (fn, path) | None`` to route
     a whole batch once (the with-form's block lookup and renaming); then
@@ -171,7 +169,7 @@ def _deliver_column(meta, guard, steps, column, count, lane, rows_are_lanes=Fals
     if meta.backward:
         steps = meta.step_of(np.asarray(steps[:count]))
     columns = getattr(deliver, "columns", None)
-    if columns is not None and not rows_are_lanes:  # the consumers take columns: no objects
+    if columns is not None:  # the consumers take columns: no objects
         if not count:
             return
         try:
@@ -185,24 +183,65 @@ def _deliver_column(meta, guard, steps, column, count, lane, rows_are_lanes=Fals
     failed = guard.failed
     if isinstance(deliver, Guard):  # a lone on_step: call it directly, guard the whole loop
         deliver, failed = deliver.fn, deliver.failed
-    lanes = range(count) if rows_are_lanes else None
     # Rows of a 1-d column are fresh numpy scalars; rows of a wider one are
-    # views that must not keep the hop's buffer alive: a buffer's rows are
-    # copied one by one (an event must not pin a K-row block), a hop's lanes
-    # share one copy (a few rows).
-    if np.ndim(column) == 1:
-        rows = column[:count]
-    elif rows_are_lanes:
-        rows = list(np.array(column[:count]))
-    else:
-        rows = [_own(r) for r in column[:count]]
+    # views that must not keep the hop's buffer alive (an event must not
+    # pin a K-row block): copied one by one.
+    rows = column[:count] if np.ndim(column) == 1 else [_own(r) for r in column[:count]]
     done = 0
     while done < count:
         try:
-            for step, value, ln in zip(steps[done:count], rows[done:], lanes[done:] if lanes is not None
-                                       else itertools.repeat(lane, count - done)):
+            for step, value in zip(steps[done:count], rows[done:]):
                 done += 1
-                deliver(_tuple_new(TapEvent, (path, step, value, total, kind, ln, shard, device, process, backward)))
+                deliver(_tuple_new(TapEvent, (path, step, value, total, kind, lane, shard, device, process, backward)))
+        except BaseException as exc:  # noqa: BLE001 - totality, as Guard
+            failed(exc)
+
+
+def _lane_events(meta, layout, guard, step, arrays, conditional, sample_every):
+    """Each lane's event of a vmapped hop of one value, built from the
+    lanes' columns at once (:meth:`TapBlock._build`, as a recorder reads
+    them) and delivered lane after lane: the events per-lane delivery
+    builds one by one, for a fraction of its host work."""
+    target = _resolve(meta, guard)
+    if target is None:
+        return
+    deliver, path = target
+    try:
+        step, keep = np.asarray(step), None
+        if conditional:  # the flag: which lanes really fired
+            keep, arrays = np.asarray(arrays[0]).astype(bool), arrays[1:]
+        if sample_every > 1:
+            keep = (step % sample_every == 0) & (True if keep is None else keep)
+        lanes = np.arange(len(step)) if keep is None else np.flatnonzero(keep)
+        cols = [np.asarray(a) if keep is None else np.asarray(a)[lanes] for a in arrays]
+        steps = step if keep is None else step[lanes]
+        events = _lanes_block(meta, layout, path, steps, cols, lanes)._build() if len(lanes) else []
+    except Exception as exc:  # noqa: BLE001 - totality
+        guard.failed(exc)
+        return
+    _deliver_all(deliver, guard, events)
+
+
+def _lanes_block(meta, layout, path, steps, cols, lanes) -> TapBlock:
+    """A block of rows from many lanes (``lanes``: each row's), as columns."""
+    if layout.bare:
+        return TapBlock(path, meta.kind, meta.total, None, steps, cols[0], lanes=lanes, origin=meta.origin())
+    return TapBlock(path, meta.kind, meta.total, None, steps, leaves=cols, treedef=layout.treedef,
+                    static=layout.static, count=layout.count, lanes=lanes, origin=meta.origin())
+
+
+def _deliver_all(deliver, guard, events) -> None:
+    """Hand ``events`` to ``deliver`` in order; a failing consumer is warned
+    about (once) and the rest still go."""
+    failed = guard.failed
+    if isinstance(deliver, Guard):  # a lone on_step: call it directly, guard the whole loop
+        deliver, failed = deliver.fn, deliver.failed
+    done = 0
+    while done < len(events):
+        try:
+            for event in events[done:]:
+                done += 1
+                deliver(event)
         except BaseException as exc:  # noqa: BLE001 - totality, as Guard
             failed(exc)
 
@@ -257,16 +296,16 @@ def make_host_fn(metas, layouts, guard: Guard, sample_every, conditional=False):
     Returns ``host(step, [flag], *arrays, lane=None)``.
     """
 
-    single = len(metas) == 1 and layouts[0].bare
+    meta = metas[0]
+    one_value = len(metas) == 1 and not _is_block(meta) and not meta.gated and not meta.lanes and not meta.backward
 
     def lanes(step, *arrays):
         """Every lane of a vmapped hop: each array has a leading lane axis."""
-        n = len(step)
-        if not single or conditional or sample_every > 1:
-            for lane in range(n):
-                host(step[lane], *[a[lane] for a in arrays], lane=lane)
+        if one_value and np.ndim(step) == 1:
+            _lane_events(meta, layouts[0], guard, step, arrays, conditional, sample_every)
             return
-        _deliver_column(metas[0], guard, step.tolist(), arrays[0], n, lane=None, rows_are_lanes=True)
+        for lane in range(len(step)):
+            host(step[lane], *[a[lane] for a in arrays], lane=lane)
 
     def host(step, *arrays, lane=None):
         try:
@@ -285,9 +324,7 @@ def make_host_fn(metas, layouts, guard: Guard, sample_every, conditional=False):
         _deliver_row(metas, layouts, guard, step, arrays, None, lane)
 
     host.lanes = lanes
-    meta = metas[0]
-    if (len(metas) == 1 and not _is_block(meta) and not meta.gated and not meta.lanes and not meta.backward
-            and (layouts[0].bare or _pure_tree(layouts[0].treedef))):
+    if one_value and (layouts[0].bare or _pure_tree(layouts[0].treedef)):
         if not layouts[0].bare:  # (one bare array: as cheap per event, and smaller)
             host.raw = _kept_rows(meta, layouts[0], guard, sample_every, conditional)
         host.raw_lanes = _kept_lanes(meta, layouts[0], guard, sample_every, conditional)
@@ -435,30 +472,33 @@ def make_buffer_host(metas, layouts, guard: Guard):
 
 
 def _buffered_lanes(meta, layout, guard, counts, steps, arrays) -> bool:
-    """A vmapped buffered hop as ONE block of every lane's rows, lane after
-    lane (the order lane-by-lane delivery gives), for a recorder alone
-    (``sink.raw_rows``); False when the rows must go lane by lane."""
+    """Every lane's rows of a vmapped buffered hop, lane after lane (the
+    order lane-by-lane delivery gives): ONE block for a recorder alone
+    (``sink.raw_rows``), events built at once for consumers of events;
+    False when the rows must go lane by lane (consumers of blocks get one
+    block per lane)."""
     if _is_block(meta) or meta.gated or meta.lanes or meta.backward or np.ndim(counts) != 1:
         return False
     target = _resolve(meta, guard)
     if target is None:
         return True
     rows = getattr(target[0], "raw_rows", None)
-    if rows is None:
+    if rows is None and getattr(target[0], "columns", None) is not None:
         return False
     try:
         counts, steps = np.asarray(counts).astype(np.int64), np.asarray(steps)
         fired = np.arange(steps.shape[1]) < counts[:, None]
         lanes = np.repeat(np.arange(len(counts)), counts)
-        if len(lanes):
-            cols = [np.asarray(a)[fired] for a in arrays]  # (boolean indexing copies)
-            steps, origin = steps[fired], meta.origin()
-            if layout.bare:
-                block = TapBlock(target[1], meta.kind, meta.total, None, steps, cols[0], lanes=lanes, origin=origin)
-            else:
-                block = TapBlock(target[1], meta.kind, meta.total, None, steps, leaves=cols, treedef=layout.treedef,
-                                 static=layout.static, count=layout.count, lanes=lanes, origin=origin)
+        if not len(lanes):
+            return True
+        cols = [np.asarray(a)[fired] for a in arrays]  # (boolean indexing copies)
+        block = _lanes_block(meta, layout, target[1], steps[fired], cols, lanes)
+        if rows is not None:
             rows(block)
+            return True
+        events = block._build()
     except Exception as exc:  # noqa: BLE001 - totality
         guard.failed(exc)
+        return True
+    _deliver_all(target[0], guard, events)
     return True

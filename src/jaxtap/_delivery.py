@@ -8,6 +8,7 @@ consumers that take them) and hands it to its sink, never raising.
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 
 import jax
@@ -153,8 +154,9 @@ def _deliver_lanes(meta, step, value):
         meta.deliver(make_event(meta.path, step, one, meta.total, meta.kind, i, origin), meta.top)
 
 
-def _deliver_column(meta, guard, steps, column, count, lane):
-    """Deliver ``count`` rows of one bare array (a buffer's steps): the hot path.
+def _deliver_column(meta, guard, steps, column, count, lane, rows_are_lanes=False):
+    """Deliver ``count`` rows of one bare array (a buffer's steps, or a vmapped
+    hop's lanes): the hot path.
 
     A sink may offer ``resolve(path, kind, top) -> (fn, path) | None`` to route
     a whole batch once (the with-form's block lookup and renaming); then
@@ -169,7 +171,7 @@ def _deliver_column(meta, guard, steps, column, count, lane):
     if meta.backward:
         steps = meta.step_of(np.asarray(steps[:count]))
     columns = getattr(deliver, "columns", None)
-    if columns is not None:  # the consumers take columns: no objects
+    if columns is not None and not rows_are_lanes:  # the consumers take columns: no objects
         if not count:
             return
         try:
@@ -183,16 +185,24 @@ def _deliver_column(meta, guard, steps, column, count, lane):
     failed = guard.failed
     if isinstance(deliver, Guard):  # a lone on_step: call it directly, guard the whole loop
         deliver, failed = deliver.fn, deliver.failed
+    lanes = range(count) if rows_are_lanes else None
     # Rows of a 1-d column are fresh numpy scalars; rows of a wider one are
-    # views that must not keep the hop's buffer alive (an event must not
-    # pin a K-row block): copied one by one.
-    rows = column[:count] if np.ndim(column) == 1 else [_own(r) for r in column[:count]]
+    # views that must not keep the hop's buffer alive: a buffer's rows are
+    # copied one by one (an event must not pin a K-row block), a hop's lanes
+    # share one copy (a few rows).
+    if np.ndim(column) == 1:
+        rows = column[:count]
+    elif rows_are_lanes:
+        rows = list(np.array(column[:count]))
+    else:
+        rows = [_own(r) for r in column[:count]]
     done = 0
     while done < count:
         try:
-            for step, value in zip(steps[done:count], rows[done:]):
+            for step, value, ln in zip(steps[done:count], rows[done:], lanes[done:] if lanes is not None
+                                       else itertools.repeat(lane, count - done)):
                 done += 1
-                deliver(_tuple_new(TapEvent, (path, step, value, total, kind, lane, shard, device, process, backward)))
+                deliver(_tuple_new(TapEvent, (path, step, value, total, kind, ln, shard, device, process, backward)))
         except BaseException as exc:  # noqa: BLE001 - totality, as Guard
             failed(exc)
 
@@ -302,7 +312,10 @@ def make_host_fn(metas, layouts, guard: Guard, sample_every, conditional=False):
     def lanes(step, *arrays):
         """Every lane of a vmapped hop: each array has a leading lane axis."""
         if one_value and np.ndim(step) == 1:
-            _lane_events(meta, layouts[0], guard, step, arrays, conditional, sample_every)
+            if layouts[0].bare and not conditional and sample_every == 1:  # the leanest: rows as they are
+                _deliver_column(meta, guard, step.tolist(), arrays[0], len(step), None, rows_are_lanes=True)
+            else:
+                _lane_events(meta, layouts[0], guard, step, arrays, conditional, sample_every)
             return
         for lane in range(len(step)):
             host(step[lane], *[a[lane] for a in arrays], lane=lane)

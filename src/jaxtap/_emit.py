@@ -395,13 +395,16 @@ def _stage_hop(one, lanes, packed, batched):
     _hop(packed)
 
 
-def emit(metas, payloads, guard, *, step, sample_every, when=None, batched_hop=True):
+def emit(metas, payloads, guard, *, step, sample_every, when=None, batched_hop=True, gate_on_host=False):
     """Stage one host hop at ``step`` carrying one event per meta.
 
     Gated on device by ``when`` if given, else by ``step % sample_every
     == 0``. ``payloads()`` (the users' selects) is only traced inside the
     gated branch, so steps that do not fire never run it. A carry tap and a
-    y-tap of one loop share this one hop.
+    y-tap of one loop share this one hop. ``gate_on_host``: ``when`` is
+    true wherever the hop runs unbatched, so it travels as the hop's flag
+    and the host drops the lanes where it is false, with no ``cond`` to
+    compile (under vmap a cond on a batched flag runs both branches anyway).
     """
     conditional = when is not None
 
@@ -418,6 +421,9 @@ def emit(metas, payloads, guard, *, step, sample_every, when=None, batched_hop=T
         fire(step, *flag)
         return ()
 
+    if conditional and gate_on_host:
+        fire(step, when)
+        return
     with _seam.tap_scope():
         if conditional:
             jax.lax.cond(when, gated, lambda *_: (), step, when)

@@ -327,13 +327,14 @@ def _drive_scan(walker, metas, payloads, runner, k0, lane_running):
 def _drive_while(walker, metas, payloads, runner, k0, lane_running):
     """A while loop, one hop per sampled step, gated by "sampled"."""
     n_state = len(runner.state)
+    one_step = runner.every == 1 and not runner.offset  # "sampled": the step ran (false only in finished lanes)
 
     def d_body(flat):
         s = _Hop(flat[0], flat[1], flat[2], list(flat[3:3 + n_state]))
         i2, st2, last, sampled = runner.advance(s.i, s.k, s.state)
         seen = runner.observe(last, st2)
         emit(metas, lambda: payloads(*seen), walker.sinks.guard, step=last, sample_every=walker.plan.sample_every,
-             when=_both(sampled, lane_running))
+             when=_both(sampled, lane_running), gate_on_host=one_step)
         return (i2, s.k, runner.goes_on(i2, st2), *st2)
 
     start = np.int32(0)

@@ -1,6 +1,7 @@
 """Columnar delivery of buffered telemetry: a hop's rows stay columns
 (``TapBlock``) in the recorder, the JSONL writer, the CLI and ``on_block``
 consumers, and become the same TapEvents, in the same order, on demand."""
+import collections
 import dataclasses
 import json
 
@@ -392,6 +393,33 @@ def test_a_custom_node_is_rebuilt_in_its_hop_not_where_the_recorder_is_read():
     reads_inside_a_trace(1.0)
     assert seen and not any(issubclass(t, jax.core.Tracer) for t in seen)
     assert not any(isinstance(e.value.a, jax.core.Tracer) for e in rec.events)
+
+
+class _Coerced(collections.namedtuple("_Coerced", "a b")):
+    """A namedtuple subclass whose ``__new__`` calls JAX: JAX rebuilds a
+    namedtuple by calling its class, so it is no built-in container."""
+
+    def __new__(cls, a, b):
+        return super().__new__(cls, jnp.asarray(a), b)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["plain", "vmap"])
+def test_a_namedtuple_subclass_with_its_own_new_is_rebuilt_in_its_hop(batched):
+    def f(x):
+        return jax.lax.scan(lambda c, _: (c * 1.5, None), x, None, length=3)[0]
+
+    x = jnp.array([0.3, 1.0, 2.0], jnp.float32)
+    _, rec = run(jax.vmap(f) if batched else f, x if batched else x[0],
+                 select=lambda leaves: _Coerced(leaves[0], leaves[0] + 1))
+    seen = []
+
+    @jax.jit
+    def reads_inside_a_trace(y):
+        seen.extend(type(e.value.a) for e in rec.events)
+        return y
+
+    reads_inside_a_trace(1.0)
+    assert seen and not any(issubclass(t, jax.core.Tracer) for t in seen)
 
 
 def _mixed_step(c, _):

@@ -357,11 +357,23 @@ def _pure_tree(treedef) -> bool:
         data = treedef.node_data()
         if data is not None:
             kind = data[0]
-            if kind not in _PURE_NODES and not (issubclass(kind, tuple) and hasattr(kind, "_fields")):
+            if kind not in _PURE_NODES and not _plain_namedtuple(kind):
                 return False
         return all(_pure_tree(c) for c in treedef.children())
     except Exception:  # noqa: BLE001 - an unknown treedef: events as they come
         return False
+
+
+def _plain_namedtuple(kind) -> bool:
+    """A namedtuple class whose construction runs no user code: ``__new__``
+    as ``collections.namedtuple`` (or ``typing.NamedTuple``) wrote it, no
+    ``__init__`` of its own (a subclass may call JAX in either, and JAX
+    rebuilds a namedtuple by calling its class)."""
+    if not (issubclass(kind, tuple) and hasattr(kind, "_fields")):
+        return False
+    new = next(c for c in kind.__mro__ if "__new__" in c.__dict__)
+    init = next(c for c in kind.__mro__ if "__init__" in c.__dict__)
+    return "_fields" in new.__dict__ and init in (tuple, object)
 
 
 def _kept_rows(meta, layout, guard, sample_every, conditional):

@@ -380,9 +380,13 @@ class _Boxed:
         return cls(*children)
 
 
-def test_a_custom_node_is_rebuilt_in_its_hop_not_where_the_recorder_is_read():
-    f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c * 2, None), x, None, length=3)[0])
-    _, rec = run(f, jnp.ones(2), select=lambda leaves: _Boxed(leaves[0]))
+@pytest.mark.parametrize("flush_every", [None, 2], ids=["unbuffered", "buffered"])
+@pytest.mark.parametrize("batched", [False, True], ids=["plain", "vmap"])
+def test_a_custom_node_is_rebuilt_in_its_hop_not_where_the_recorder_is_read(flush_every, batched):
+    g = lambda x: jax.lax.scan(lambda c, _: (c * 2, None), x, None, length=3)[0]  # noqa: E731
+    f = jax.jit(jax.vmap(g) if batched else g)
+    _, rec = run(f, jnp.ones((3, 2)) if batched else jnp.ones(2), select=lambda leaves: _Boxed(leaves[0]),
+                 flush_every=flush_every)
     seen = []
 
     @jax.jit

@@ -285,7 +285,8 @@ def _deliver_tree_block(meta, layout, guard, steps, arrays, count, lane) -> bool
         return True
     try:
         steps = meta.step_of(np.asarray(steps[:count])) if meta.backward else steps
-        columns(column_block(target[1], meta.kind, meta.total, lane, steps, arrays, layout, count, meta.origin()))
+        columns(_rebuilt_here(column_block(target[1], meta.kind, meta.total, lane, steps, arrays, layout, count,
+                                           meta.origin()), layout))
     except Exception as exc:  # noqa: BLE001 - totality
         guard.failed(exc)
     return True
@@ -342,6 +343,15 @@ def make_host_fn(metas, layouts, guard: Guard, sample_every, conditional=False):
             host.raw = _kept_rows(meta, layouts[0], guard, sample_every, conditional)
         host.raw_lanes = _kept_lanes(meta, layouts[0], guard, sample_every, conditional)
     return host
+
+
+def _rebuilt_here(block, layout):
+    """``block``, its events built now when rebuilding its value runs user
+    code (see :func:`_pure_tree`): a recorder then holds them as a hop
+    builds them, rather than building them where it is read."""
+    if not layout.bare and not _pure_tree(layout.treedef):
+        block._materialized()
+    return block
 
 
 _PURE_NODES = (tuple, list, dict, type(None), collections.OrderedDict, collections.defaultdict)
@@ -519,7 +529,7 @@ def _buffered_lanes(meta, layout, guard, counts, steps, arrays) -> bool:
         cols = [np.asarray(a)[fired] for a in arrays]  # (boolean indexing copies)
         block = _lanes_block(meta, layout, target[1], steps[fired], cols, lanes)
         if rows is not None:
-            rows(block)
+            rows(_rebuilt_here(block, layout))
             return True
         events = block._build()
     except Exception as exc:  # noqa: BLE001 - totality

@@ -130,21 +130,3 @@ def test_a_hop_of_many_lanes_is_one_operand_and_every_lane_arrives():
     events = rec.events
     assert len(events) == 2 * n
     assert [(e.step, e.lane, int(e.value[0])) for e in events[n - 1:n + 1]] == [(0, n - 1, 3 * (n - 1) + 1), (1, 0, 4)]
-
-
-def test_a_primitive_outside_any_loop_fires_once_under_vmap():
-    """``jnp.sin`` is a jitted function: vmap traces it per lane (tapped
-    there, one event per lane) and then re-evaluates its jaxpr batched, a
-    re-bind that is not another firing. ``lax.sin`` met by vmap directly
-    fires once with every lane in its value."""
-    x = jnp.array([0.5, 1.0, 2.0], jnp.float32)
-    for f in (jax.vmap(lambda v: jnp.sin(v) * 2), jax.jit(jax.vmap(lambda v: jnp.sin(v) * 2))):
-        with tap.record(taps=[tap.on("sin")]) as rec:
-            out = sync(f(x))
-        assert np.array_equal(out, jnp.sin(x) * 2)
-        assert [(e.path, e.lane) for e in rec.events] == [("sin[0]", lane) for lane in range(3)]
-        assert [float(e.value[0]) for e in rec.events] == [float(jnp.sin(v)) for v in x]
-    with tap.record(taps=[tap.on("sin")]) as rec:
-        sync(jax.jit(jax.vmap(jax.lax.sin))(x))
-    assert [(e.path, e.lane) for e in rec.events] == [("sin[0]", None)]
-    assert np.array_equal(rec.events[0].value[0], jnp.sin(x))

@@ -302,8 +302,6 @@ def test_trace_names_and_files_the_heuristics_match_exist_in_this_jax():
     for part in _stack._PLUMBING + _stack._BINDER_FILES:
         rel = part.split(os.path.join("jax", ""), 1)[1]
         assert (root / rel).exists(), f"JAX plumbing {part!r} the site heuristics skip is gone"
-    batching = (root / _stack._BATCHING_FILE.split(os.path.join("jax", ""), 1)[1]).read_text()
-    assert "def _batch_jaxpr_inner(" in batching, "vmap's jaxpr re-evaluation (rebinding_for_vmap) is gone"
 
 
 def test_the_wrapping_form_runs_untapped_when_the_rewrite_fails(monkeypatch):

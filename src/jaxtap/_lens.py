@@ -407,7 +407,7 @@ def _tap_primitive(prim, ctx, args, params):
     Never in derivative code or a linear solve's operator (JAX transposes
     those; ``tap.primitives`` does not list what is inside them).
     """
-    if not _seam.at_base_trace() or _seam.in_derivative_code() or _seam.rebinding_for_vmap():
+    if not _seam.at_base_trace() or _seam.in_derivative_code():
         return _seam.bind_original(prim, args, params)
     with _seam.quiet():  # eager dispatch re-binds the primitive inside a jit
         out = _seam.bind_original(prim, args, params)

@@ -28,7 +28,6 @@ __all__ = [
     "differentiating",
     "jit_disabled",
     "at_base_trace",
-    "rebinding_for_vmap",
     "evaluating_eagerly",
     "install_bind",
     "uninstall_bind",
@@ -419,22 +418,6 @@ def at_base_trace() -> bool:
         # linearize's tangent traces (and remat's recompute traces) are the
         # auto-DCE staging traces
         return not getattr(getattr(trace, "frame", None), "auto_dce", False)
-    return False
-
-
-_BATCHING_FILE = os.path.join("jax", "_src", "interpreters", "batching.py")
-
-
-def rebinding_for_vmap() -> bool:
-    """True while ``vmap`` re-evaluates a jaxpr it batches (a jit's, through
-    the jit's batching rule): its primitives were bound, and tapped, when
-    that jaxpr was traced; the batched re-bind is not another firing."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "_batch_jaxpr_inner" and code.co_filename.endswith(_BATCHING_FILE):
-            return True
-        frame = frame.f_back
     return False
 
 

@@ -380,13 +380,8 @@ class _Boxed:
         return cls(*children)
 
 
-@pytest.mark.parametrize("flush_every", [None, 2], ids=["unbuffered", "buffered"])
-@pytest.mark.parametrize("batched", [False, True], ids=["plain", "vmap"])
-def test_a_custom_node_is_rebuilt_in_its_hop_not_where_the_recorder_is_read(flush_every, batched):
-    g = lambda x: jax.lax.scan(lambda c, _: (c * 2, None), x, None, length=3)[0]  # noqa: E731
-    f = jax.jit(jax.vmap(g) if batched else g)
-    _, rec = run(f, jnp.ones((3, 2)) if batched else jnp.ones(2), select=lambda leaves: _Boxed(leaves[0]),
-                 flush_every=flush_every)
+def _types_read_inside_jit(rec) -> list:
+    """The types of each event's ``value.a`` as read while ``jit`` traces."""
     seen = []
 
     @jax.jit
@@ -395,6 +390,17 @@ def test_a_custom_node_is_rebuilt_in_its_hop_not_where_the_recorder_is_read(flus
         return y
 
     reads_inside_a_trace(1.0)
+    return seen
+
+
+@pytest.mark.parametrize("flush_every", [None, 2], ids=["unbuffered", "buffered"])
+@pytest.mark.parametrize("batched", [False, True], ids=["plain", "vmap"])
+def test_a_custom_node_is_rebuilt_in_its_hop_not_where_the_recorder_is_read(flush_every, batched):
+    g = lambda x: jax.lax.scan(lambda c, _: (c * 2, None), x, None, length=3)[0]  # noqa: E731
+    f = jax.jit(jax.vmap(g) if batched else g)
+    _, rec = run(f, jnp.ones((3, 2)) if batched else jnp.ones(2), select=lambda leaves: _Boxed(leaves[0]),
+                 flush_every=flush_every)
+    seen = _types_read_inside_jit(rec)
     assert seen and not any(issubclass(t, jax.core.Tracer) for t in seen)
     assert not any(isinstance(e.value.a, jax.core.Tracer) for e in rec.events)
 
@@ -415,14 +421,7 @@ def test_a_namedtuple_subclass_with_its_own_new_is_rebuilt_in_its_hop(batched):
     x = jnp.array([0.3, 1.0, 2.0], jnp.float32)
     _, rec = run(jax.vmap(f) if batched else f, x if batched else x[0],
                  select=lambda leaves: _Coerced(leaves[0], leaves[0] + 1))
-    seen = []
-
-    @jax.jit
-    def reads_inside_a_trace(y):
-        seen.extend(type(e.value.a) for e in rec.events)
-        return y
-
-    reads_inside_a_trace(1.0)
+    seen = _types_read_inside_jit(rec)
     assert seen and not any(issubclass(t, jax.core.Tracer) for t in seen)
 
 

@@ -270,9 +270,10 @@ def _resolve(meta, guard):
         return None
 
 
-def _deliver_tree_block(meta, layout, guard, steps, arrays, count, lane) -> bool:
+def _deliver_tree_block(meta, layout, guard, steps, arrays, count, lane, rebuild) -> bool:
     """One meta's buffered rows as a TapBlock, when its consumers take
-    columns; False when they want events (the caller delivers rows)."""
+    columns; False when they want events (the caller delivers rows).
+    ``rebuild``: build its events now (see :func:`_rebuilt_here`)."""
     if meta.lanes:
         return False  # one event per lane: the rows, one by one
     target = _resolve(meta, guard)
@@ -286,7 +287,7 @@ def _deliver_tree_block(meta, layout, guard, steps, arrays, count, lane) -> bool
     try:
         steps = meta.step_of(np.asarray(steps[:count])) if meta.backward else steps
         columns(_rebuilt_here(column_block(target[1], meta.kind, meta.total, lane, steps, arrays, layout, count,
-                                           meta.origin()), layout))
+                                           meta.origin()), rebuild))
     except Exception as exc:  # noqa: BLE001 - totality
         guard.failed(exc)
     return True
@@ -345,11 +346,11 @@ def make_host_fn(metas, layouts, guard: Guard, sample_every, conditional=False):
     return host
 
 
-def _rebuilt_here(block, layout):
-    """``block``, its events built now when rebuilding its value runs user
-    code (see :func:`_pure_tree`): a recorder then holds them as a hop
-    builds them, rather than building them where it is read."""
-    if not layout.bare and not _pure_tree(layout.treedef):
+def _rebuilt_here(block, rebuild):
+    """``block``, its events built now when ``rebuild`` (rebuilding its value
+    runs user code, see :func:`_pure_tree`): a recorder then holds them as a
+    hop builds them, rather than building them where it is read."""
+    if rebuild:
         block._materialized()
     return block
 
@@ -392,8 +393,7 @@ def _kept_rows(meta, layout, guard, sample_every, conditional):
     recorder alone (``sink.raw_rows``): a carry of many leaves then costs
     its recorder one copy and one append, not an array per leaf. The events
     are built, the same as per-event delivery's, when the recorder is read."""
-    decoders = {}
-    skip = 2 if conditional else 1  # the step, and the gating flag: not the value's
+    decoder = _decoder_cache(layout, conditional)
 
     def raw(buf, plan):
         if conditional and not buf[plan[1][3][0][0]]:
@@ -409,10 +409,7 @@ def _kept_rows(meta, layout, guard, sample_every, conditional):
         if rows is None:
             return False
         try:
-            decode = decoders.get(id(plan))
-            if decode is None:
-                decode = decoders[id(plan)] = _decoder(plan, layout, skip)
-            rows(TapBlock.of_bytes(target[1], meta.kind, meta.total, buf.tobytes(), decode))
+            rows(TapBlock.of_bytes(target[1], meta.kind, meta.total, buf.tobytes(), decoder(plan)))
         except Exception as exc:  # noqa: BLE001 - totality
             guard.failed(exc)
         return True
@@ -426,8 +423,7 @@ def _kept_lanes(meta, layout, guard, sample_every, conditional):
     as one :meth:`TapBlock.of_bytes` of one row (event) per lane, in lane
     order. A wide ``vmap`` then costs its recorder one copy per hop, not
     an event per lane."""
-    decoders = {}
-    skip = 2 if conditional else 1
+    decoder = _decoder_cache(layout, conditional)
 
     def raw(buf, plan):
         if buf.ndim != 2:
@@ -448,16 +444,27 @@ def _kept_lanes(meta, layout, guard, sample_every, conditional):
             lanes = np.flatnonzero(keep)
             if not len(lanes):
                 return True
-            decode = decoders.get(id(plan))
-            if decode is None:
-                decode = decoders[id(plan)] = _decoder(plan, layout, skip)
             kept = buf if len(lanes) == len(buf) else buf[lanes]
-            rows(TapBlock.of_bytes(target[1], meta.kind, meta.total, kept.tobytes(), decode, lanes=lanes))
+            rows(TapBlock.of_bytes(target[1], meta.kind, meta.total, kept.tobytes(), decoder(plan), lanes=lanes))
         except Exception as exc:  # noqa: BLE001 - totality
             guard.failed(exc)
         return True
 
     return raw
+
+
+def _decoder_cache(layout, conditional):
+    """``decoder(plan)``: :func:`_decoder` of a hop's plan, made once per plan."""
+    decoders = {}
+    skip = 2 if conditional else 1  # the step, and the gating flag: not the value's
+
+    def decoder(plan):
+        decode = decoders.get(id(plan))
+        if decode is None:
+            decode = decoders[id(plan)] = _decoder(plan, layout, skip)
+        return decode
+
+    return decoder
 
 
 def _decoder(plan, layout, skip):
@@ -476,6 +483,8 @@ def make_buffer_host(metas, layouts, guard: Guard):
     """The host half of a buffered hop: ``count`` rows, delivered in order."""
 
     column = len(metas) == 1 and _is_column(metas[0], layouts[0])
+    # one meta's value rebuilt through user code: its blocks build their events in the hop
+    rebuild = len(metas) == 1 and not layouts[0].bare and not _pure_tree(layouts[0].treedef)
 
     def host(count, steps, *arrays, lane=None):
         try:
@@ -489,7 +498,7 @@ def make_buffer_host(metas, layouts, guard: Guard):
             _deliver_column(metas[0], guard, steps, arrays[0], count, lane)  # the common case: a tight loop
             return
         if len(metas) == 1 and not _is_block(metas[0]) and not metas[0].gated:
-            if _deliver_tree_block(metas[0], layouts[0], guard, steps, arrays, count, lane):
+            if _deliver_tree_block(metas[0], layouts[0], guard, steps, arrays, count, lane, rebuild):
                 return
         steps = steps.tolist()
         for row in range(count):
@@ -497,7 +506,7 @@ def make_buffer_host(metas, layouts, guard: Guard):
 
     def lanes(count, steps, *arrays):
         """Every lane of a vmapped buffered hop (each array: lanes, rows, ...)."""
-        if len(metas) == 1 and _buffered_lanes(metas[0], layouts[0], guard, count, steps, arrays):
+        if len(metas) == 1 and _buffered_lanes(metas[0], layouts[0], guard, count, steps, arrays, rebuild):
             return
         for lane in range(np.shape(count)[0]):
             host(count[lane], steps[lane], *[a[lane] for a in arrays], lane=lane)
@@ -506,7 +515,7 @@ def make_buffer_host(metas, layouts, guard: Guard):
     return host
 
 
-def _buffered_lanes(meta, layout, guard, counts, steps, arrays) -> bool:
+def _buffered_lanes(meta, layout, guard, counts, steps, arrays, rebuild) -> bool:
     """Every lane's rows of a vmapped buffered hop, lane after lane (the
     order lane-by-lane delivery gives): ONE block for a recorder alone
     (``sink.raw_rows``), events built at once for consumers of events;
@@ -529,7 +538,7 @@ def _buffered_lanes(meta, layout, guard, counts, steps, arrays) -> bool:
         cols = [np.asarray(a)[fired] for a in arrays]  # (boolean indexing copies)
         block = _lanes_block(meta, layout, target[1], steps[fired], cols, lanes)
         if rows is not None:
-            rows(_rebuilt_here(block, layout))
+            rows(_rebuilt_here(block, rebuild))
             return True
         events = block._build()
     except Exception as exc:  # noqa: BLE001 - totality

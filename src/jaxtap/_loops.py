@@ -203,6 +203,11 @@ class Runner(NamedTuple):
     # 0: the counter is read out of the runner, as before jax-tap 0.9.1
     every: int = 0
 
+    @property
+    def one_step(self) -> bool:
+        """Sampled every step (from step 0): each driver call runs one step."""
+        return self.every == 1 and not self.offset
+
     def advance(self, i, k, state):
         """Run to the next sampled step: (i2, state2, last step run, sampled?).
 
@@ -218,7 +223,7 @@ class Runner(NamedTuple):
         comes out of the runner: a hop that carries it runs after the taps
         inside it.
         """
-        one_step = self.every == 1 and not self.offset
+        one_step = self.one_step
         # every == 1: the driver calls only while the loop goes on, so the
         # runner runs exactly step i; k stays a run-time 1, so the runner's
         # trip count is not provable (XLA would inline it into the driver)
@@ -327,7 +332,7 @@ def _drive_scan(walker, metas, payloads, runner, k0, lane_running):
 def _drive_while(walker, metas, payloads, runner, k0, lane_running):
     """A while loop, one hop per sampled step, gated by "sampled"."""
     n_state = len(runner.state)
-    one_step = runner.every == 1 and not runner.offset  # "sampled": the step ran (false only in finished lanes)
+    one_step = runner.one_step  # then "sampled" means the step ran (false only in finished lanes)
 
     def d_body(flat):
         s = _Hop(flat[0], flat[1], flat[2], list(flat[3:3 + n_state]))

@@ -13,6 +13,7 @@ import jax
 from .versions import MISSING, internal
 
 __all__ = [
+    "over_no_lanes",
     "site_of_traceback",
     "site_of_eqn",
     "current_site",
@@ -45,6 +46,7 @@ __all__ = [
 
 _core = internal("jax._src.core")
 _pe = internal("jax._src.interpreters.partial_eval")
+_batching = internal("jax._src.interpreters.batching")
 _ad = internal("jax._src.interpreters.ad")
 _config = internal("jax._src.config")
 _source_info = internal("jax._src.source_info_util")
@@ -400,6 +402,17 @@ def differentiating() -> bool:
 
 def jit_disabled() -> bool:
     return bool(jax.config.jax_disable_jit)
+
+
+def over_no_lanes(args) -> bool:
+    """True when one of ``args`` is batched by a ``vmap`` over zero lanes:
+    such a bind has nothing to observe, and XLA:CPU crashed compiling a
+    tapped while loop of zero lanes dispatched eagerly."""
+    for x in args:
+        dim = getattr(x, "batch_dim", None) if isinstance(x, _batching.BatchTracer) else None
+        if isinstance(dim, int) and x.val.shape[dim] == 0:
+            return True
+    return False
 
 
 def evaluating_eagerly() -> bool:

@@ -743,9 +743,9 @@ def verbose_for(prog, config, tally):
         return tap.verbose(prog.fn, on_step=tally.on_step, select=reduce_select)
     if config == "carry_every3":
         return tap.verbose(prog.fn, on_step=tally.on_step, sample_every=3)
-    if config == "buffered":
+    if config in ("buffered", "buffered_carry"):
         return tap.verbose(prog.fn, on_step=tally.on_step, select=reduce_select, flush_every=7,
-                           taps=_prim_taps(prog, tally))
+                           taps=_prim_taps(prog, tally) if config == "buffered" else ())
     if config == "prim":
         # primitive taps only: tap.on counts firings through `alert`; watch_nan
         # only speaks on NaN, so a recorder (the B-form of tap.record) counts it.
@@ -764,8 +764,9 @@ def record_kwargs(prog, config, tally):
         return dict(on_step=tally.on_step, sample_every=3)
     if config == "prim":
         return dict(taps=_prim_taps(prog, tally))
-    if config == "buffered":
-        return dict(on_step=tally.on_step, select=reduce_select, flush_every=7, taps=_prim_taps(prog, tally))
+    if config in ("buffered", "buffered_carry"):
+        return dict(on_step=tally.on_step, select=reduce_select, flush_every=7,
+                    taps=_prim_taps(prog, tally) if config == "buffered" else ())
     if config == "backward":  # cotangent taps
         return dict(on_step=tally.on_step, select=reduce_select, backward=True)
     if config == "backward_births":  # and a tripwire on every equation of the backward loops
@@ -976,7 +977,9 @@ def known_regime(prog, mode, config, got):
 
     * A primitive tap in a loop XLA:CPU outlines as a "small call" untapped
       (JAX >= 0.11's XLA outlines every effect-free loop): the tap's
-      callback in the runner stops the outlining.
+      callback in the runner stops the outlining. Buffered primitive taps
+      (no callback; the intermediate rides out of the step) likewise, under
+      some CPUs' code generation (see test_identity_other_cpu_...).
     * Tripwires on every equation of a backward loop: the difference is
       rounding, and the same run with cotangent taps alone is bitwise.
     """
@@ -986,9 +989,14 @@ def known_regime(prog, mode, config, got):
         # the cotangent taps alone are bitwise: the tripwires, reading every
         # intermediate of the derivative, stopped a fusion
         return "tripwires on every equation of a backward loop (README: The backward pass)"
-    if config == "prim" and jax.default_backend() == "cpu":
+    if config in ("prim", "buffered") and (prog.on or prog.nan) and jax.default_backend() == "cpu":
         if "xla_cpu_small_call" in jax.jit(prog.fn).lower(*args).compile().as_text():
-            return "primitive tap in an XLA:CPU small-call loop (README: Known boundaries)"
+            if config == "prim":
+                return "primitive tap in an XLA:CPU small-call loop (README: Known boundaries)"
+            if _bits_equal(reference(prog, mode), tapped_run(prog, mode, "buffered_carry")[0]):
+                # buffered carry taps alone are bitwise: the primitive taps, reading
+                # intermediates out of the step, changed how XLA compiled it
+                return "buffered primitive tap in an XLA:CPU small-call loop (README: Known boundaries)"
     return None
 
 
@@ -1259,3 +1267,6 @@ _OTHER_CPUS = {"sse4_2": "--xla_cpu_max_isa=SSE4_2", "avx512_zmm": "--xla_cpu_pr
 def test_identity_other_cpu_code_generation_subprocess(cpu):
     out = _run_corpus_subprocess([p.name for p in PROGRAMS], "f32", _OTHER_CPUS[cpu])
     assert int(out.split("CHECKED")[-1].split()[0]) >= 4 * len(PROGRAMS)
+    known = out.split("KNOWN-REGIMES")[-1].split("\n")[0].strip()
+    if known != "[]":  # every other case was bitwise (the child asserts it)
+        pytest.xfail(f"cases in documented regimes (README: Known boundaries): {known}")

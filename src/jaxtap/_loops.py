@@ -253,10 +253,11 @@ class Runner(NamedTuple):
 
 
 class _Hop(NamedTuple):
-    """State of a driver that emits every sampled step."""
+    """State of a driver that emits every sampled step (a scan drops ``goes_on``)."""
 
     i: Any
     k: Any
+    goes_on: Any
     state: list
 
 
@@ -265,6 +266,7 @@ class _Fill(NamedTuple):
 
     i: Any
     row: Any
+    goes_on: Any
     state: list
     buffers: list
 
@@ -329,22 +331,20 @@ def _drive_scan(walker, metas, payloads, runner, k0, lane_running):
 
 def _drive_while(walker, metas, payloads, runner, k0, lane_running):
     """A while loop, one hop per sampled step, gated by "sampled"."""
+    n_state = len(runner.state)
     one_step = runner.one_step  # then "sampled" means the step ran (false only in finished lanes)
 
     def d_body(flat):
-        s = _Hop(flat[0], flat[1], list(flat[2:]))
+        s = _Hop(flat[0], flat[1], flat[2], list(flat[3:3 + n_state]))
         i2, st2, last, sampled = runner.advance(s.i, s.k, s.state)
         seen = runner.observe(last, st2)
         emit(metas, lambda: payloads(*seen), walker.sinks.guard, step=last, sample_every=walker.plan.sample_every,
              when=_both(sampled, lane_running), gate_on_host=one_step)
-        return (i2, s.k, *st2)
+        return (i2, s.k, runner.goes_on(i2, st2), *st2)
 
-    # The driver's cond asks the user's cond of its state; a "goes on" flag carried
-    # from the body instead sent XLA's trip-count analysis through the runner (it
-    # cloned the runner's nested loops at every simplification pass: +0.15 s on a
-    # NUTS kernel's compile)
-    out = _seam.while_loop(lambda s: runner.goes_on(s[0], list(s[2:])), d_body, (np.int32(0), k0, *runner.state))
-    return list(out[2:])
+    start = np.int32(0)
+    out = _seam.while_loop(lambda s: s[2], d_body, (start, k0, runner.goes_on(start, runner.state), *runner.state))
+    return list(out[3:])
 
 
 def _drive_buffered(walker, metas, payloads, runner, k0, lane_running, nested=False):
@@ -364,32 +364,28 @@ def _drive_buffered(walker, metas, payloads, runner, k0, lane_running, nested=Fa
         goes_on = lambda i, st: lax.lt(i, stop)  # noqa: E731
     n_state = len(runner.state)
 
-    def fill(cflat):
-        return _Fill(cflat[0], cflat[1], list(cflat[2:2 + n_state]), list(cflat[2 + n_state:]))
-
     def d_body(flat):
-        s = _Hop(flat[0], flat[1], list(flat[2:]))
+        s = _Hop(flat[0], flat[1], flat[2], list(flat[3:3 + n_state]))
 
         def c_body(cflat):
-            c = fill(cflat)
+            c = _Fill(cflat[0], cflat[1], cflat[2], list(cflat[3:3 + n_state]), list(cflat[3 + n_state:]))
             i2, st2, last, sampled = runner.advance(c.i, s.k, c.state)
             row, bufs = buf.write(_both(None if runner.uniform else sampled, lane_running), c.row, last, st2, c.buffers)
-            return (i2, row, *st2, *bufs)
+            return (i2, row, goes_on(i2, st2), *st2, *bufs)
 
-        def c_cond(cflat):  # (the user's cond asked, as _drive_while does)
-            c = fill(cflat)
-            return lax.bitwise_and(goes_on(c.i, c.state), lax.lt(c.row, np.int32(flush)))
-
-        c = fill(_seam.while_loop(c_cond, c_body, (s.i, np.int32(0), *s.state, *buf.empty())))
+        cflat = _seam.while_loop(lambda c: lax.bitwise_and(c[2], lax.lt(c[1], np.int32(flush))), c_body,
+                                 (s.i, np.int32(0), s.goes_on, *s.state, *buf.empty()))
+        c = _Fill(cflat[0], cflat[1], cflat[2], list(cflat[3:3 + n_state]), list(cflat[3 + n_state:]))
         buf.flush(c.row, c.buffers)
-        return (c.i, s.k, *c.state)
+        return (c.i, s.k, c.goes_on, *c.state)
 
     buf.prepare(runner.state, lambda st: runner.advance(np.int32(0), k0, st)[1])
     # a buffer bigger than _BUFFER_BYTES flushes sooner than asked (a while
     # loop's length is unknown, and K=10**9 must not allocate 10**9 rows)
     flush = buf.capacity = max(1, min(flush, _BUFFER_BYTES // max(1, buf.row_bytes())))
-    out = _seam.while_loop(lambda s: goes_on(s[0], list(s[2:])), d_body, (np.int32(0), k0, *runner.state))
-    st = list(out[2:])
+    start = np.int32(0)
+    out = _seam.while_loop(lambda s: s[2], d_body, (start, k0, goes_on(start, runner.state), *runner.state))
+    st = list(out[3:])
     return runner.finish(out[0], st, every) if runner.uniform else st
 
 

@@ -142,12 +142,14 @@ warnings.simplefilter("error")
 w = lambda x: lax.while_loop(lambda c: c < 3.0, lambda c: c + 1.0, x)
 s = lambda x: lax.scan(lambda c, _: (jnp.sin(c) + 1.0, c), x, None, length=3)
 forms = {"eager": lambda f: jax.vmap(f), "jit(vmap)": lambda f: jax.jit(jax.vmap(f)),
-         "vmap(jit)": lambda f: jax.vmap(jax.jit(f)), "vmap(vmap)": lambda f: jax.vmap(jax.vmap(f))}
+         "vmap(jit)": lambda f: jax.vmap(jax.jit(f)), "vmap(vmap)": lambda f: jax.vmap(jax.vmap(f)),
+         "vmap(jacfwd)": lambda f: jax.vmap(jax.jacfwd(lambda x: jax.tree_util.tree_leaves(f(x))[0])),
+         "jit(vmap(jvp))": lambda f: jax.jit(jax.vmap(lambda x: jax.jvp(f, (x,), (x,))))}
 for fname, f in {"while": w, "scan": s}.items():
     for form, make in forms.items():
         x = jnp.zeros((0, 2) if form == "vmap(vmap)" else (0,))
         ref = make(f)(x)
-        for opts in ({}, {"flush_every": 4}, {"taps": [tap.on("sin")]}):
+        for opts in ({}, {"flush_every": 4}) + (({"taps": [tap.on("sin")]},) if fname == "scan" else ()):
             with tap.record(**opts) as rec:
                 got = jax.block_until_ready(make(f)(x))
             assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a, b: a.shape == b.shape, ref, got))

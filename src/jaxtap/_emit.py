@@ -372,7 +372,8 @@ def _joined(parts):
 def _stage_hop(one, lanes, packed, batched):
     if not batched:
         def all_lanes(*parts):  # vmapped later: still one callback, carrying every lane
-            _seam.host_callback(lanes, *_chunks(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)))
+            if parts[0].shape[0]:  # (a vmap over no lanes: nothing to send)
+                _seam.host_callback(lanes, *_chunks(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)))
 
         _seam.host_callback(one, *_chunks(packed), on_batch=all_lanes)
         return
@@ -385,7 +386,8 @@ def _stage_hop(one, lanes, packed, batched):
 
     @_hop.def_vmap
     def _hop_vmap(axis_size, in_batched, a):
-        _seam.host_callback(lanes if in_batched[0] else one, *_chunks(a))
+        if axis_size:  # (a vmap over no lanes: nothing to send)
+            _seam.host_callback(lanes if in_batched[0] else one, *_chunks(a))
         return (), ()
 
     @_hop.defjvp

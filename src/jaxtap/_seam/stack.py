@@ -405,13 +405,20 @@ def jit_disabled() -> bool:
 
 
 def over_no_lanes(args) -> bool:
-    """True when one of ``args`` is batched by a ``vmap`` over zero lanes:
-    such a bind has nothing to observe, and XLA:CPU crashed compiling a
-    tapped while loop of zero lanes dispatched eagerly."""
-    for x in args:
-        dim = getattr(x, "batch_dim", None) if isinstance(x, _batching.BatchTracer) else None
-        if isinstance(dim, int) and x.val.shape[dim] == 0:
-            return True
+    """True when one of ``args`` is batched by a ``vmap`` over zero lanes,
+    also beneath forward-mode tracers (``vmap`` of ``jvp``): such a bind has
+    nothing to observe, and XLA:CPU crashed compiling a tapped while loop of
+    zero lanes."""
+    todo = list(args)
+    while todo:
+        x = todo.pop()
+        if isinstance(x, _batching.BatchTracer):
+            dim = getattr(x, "batch_dim", None)
+            if isinstance(dim, int) and x.val.shape[dim] == 0:
+                return True
+            todo.append(x.val)
+        elif isinstance(x, _core.Tracer) and hasattr(x, "primal"):  # JVP and linearize tracers
+            todo.append(x.primal)
     return False
 
 

@@ -362,7 +362,7 @@ def _make_bind(prim):
             warn_once_now(f"jax-tap: cannot read this JAX's trace state ({type(exc).__name__}: {exc}); "
                           f"the {prim.name} runs untapped.")
             nested = True
-        if nested or _seam.over_no_lanes(args):  # (a vmap over no lanes: nothing to see)
+        if nested:
             return _seam.bind_original(prim, args, params)
         if expands:
             return _intercept_expanding(prim, ctx, args, params)

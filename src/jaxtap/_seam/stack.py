@@ -13,7 +13,6 @@ import jax
 from .versions import MISSING, internal
 
 __all__ = [
-    "over_no_lanes",
     "site_of_traceback",
     "site_of_eqn",
     "current_site",
@@ -46,7 +45,6 @@ __all__ = [
 
 _core = internal("jax._src.core")
 _pe = internal("jax._src.interpreters.partial_eval")
-_batching = internal("jax._src.interpreters.batching")
 _ad = internal("jax._src.interpreters.ad")
 _config = internal("jax._src.config")
 _source_info = internal("jax._src.source_info_util")
@@ -402,24 +400,6 @@ def differentiating() -> bool:
 
 def jit_disabled() -> bool:
     return bool(jax.config.jax_disable_jit)
-
-
-def over_no_lanes(args) -> bool:
-    """True when one of ``args`` is batched by a ``vmap`` over zero lanes,
-    also beneath forward-mode tracers (``vmap`` of ``jvp``): such a bind has
-    nothing to observe, and XLA:CPU crashed compiling a tapped while loop of
-    zero lanes."""
-    todo = list(args)
-    while todo:
-        x = todo.pop()
-        if isinstance(x, _batching.BatchTracer):
-            dim = getattr(x, "batch_dim", None)
-            if isinstance(dim, int) and x.val.shape[dim] == 0:
-                return True
-            todo.append(x.val)
-        elif isinstance(x, _core.Tracer) and hasattr(x, "primal"):  # JVP and linearize tracers
-            todo.append(x.primal)
-    return False
 
 
 def evaluating_eagerly() -> bool:

@@ -2,9 +2,11 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -176,3 +178,33 @@ def test_bad_input_exits_2_before_running(script, args, message):
     assert r.returncode == 2
     assert message in r.stderr and "usage: python -m jaxtap" in r.stderr
     assert "result" not in r.stdout
+
+
+def test_ctrl_c_stops_the_run_with_exit_130(tmp_path):
+    # a real SIGINT while the tapped loop runs: on CPU the hop runs on the
+    # thread that waits for the program, so the interrupt lands in jax-tap's
+    # host code; it must stop the run (not be swallowed as a consumer failure)
+    (tmp_path / "long.py").write_text(textwrap.dedent("""
+        import jax, jax.numpy as jnp
+        f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (jnp.sin(c) * 0.999 + 1.0, None), x, None,
+                                           length=100_000_000)[0])
+        f(jnp.ones(8)).block_until_ready()
+        print("the loop ran to its end")
+    """))
+    out = tmp_path / "run.jsonl"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-m", "jaxtap", "--jsonl", str(out), "--no-values", "--summary",
+                             "long.py"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out.exists() and out.stat().st_size > 0) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # until events stream: the loop runs
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "the loop ran to its end" not in stdout
+    assert "raised KeyboardInterrupt, exit code 130" in stderr
+    assert 0 < len(out.read_text().splitlines()) < 100_000_000

@@ -310,6 +310,8 @@ def test_shard_map_inside_a_loop_is_tapped():
         ({"sample_every": 0}, ValueError, "sample_every"),
         ({"sample_every": 2.5}, ValueError, "positive int"),
         ({"sample_every": True}, ValueError, "sample_every"),
+        ({"sample_every": 2**31}, ValueError, "at most 2147483647"),
+        ({"flush_every": np.float32(4)}, ValueError, "flush_every"),
         ({"ops": ("scan", "whle_loop")}, ValueError, "while_loop"),
         ({"ops": 3}, TypeError, "ops"),
         ({"max_depth": -1}, ValueError, "max_depth"),
@@ -332,6 +334,22 @@ def test_bad_input_is_rejected_before_anything_runs(kwargs, exc, words):
     with pytest.raises(exc, match=words):
         tap.record(**kwargs)
     assert ran == []
+
+
+def test_numpy_integers_are_accepted_as_ints():
+    with tap.record(sample_every=np.int64(2), flush_every=np.int32(3), max_depth=np.uint8(0)) as rec:
+        jax.lax.scan(lambda c, _: (c + 1.0, None), jnp.float32(0), None, length=5)
+    assert [e.step for e in rec.events] == [0, 2, 4]
+
+
+@pytest.mark.parametrize("where", [lambda: True, lambda p: 1 / 0, lambda p: np.ones(2)],
+                         ids=["no argument", "raises", "an array"])
+def test_a_broken_where_is_an_error_not_an_untapped_run(where):
+    f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=3)[0])
+    with pytest.raises(tap.TapSelectError, match="where"):
+        with tap.record(where=where):
+            f(jnp.float32(0))
+    assert_bits(f(jnp.float32(0)), jnp.float32(3.0))
 
 
 def test_non_callable_f_is_rejected():
@@ -371,15 +389,29 @@ def test_select_result_the_host_cannot_rebuild_warns_once_and_changes_nothing():
     assert len([w for w in caught if issubclass(w.category, tap.TapWarning)]) == 1
 
 
-def test_alert_whose_result_cannot_be_tested_for_truth():
+class _BadTruth:
+    def __bool__(self):
+        raise SystemExit("no truth")  # not an Exception
+
+
+class _BadText(str):
+    def __format__(self, spec):
+        raise ValueError("cannot format")
+
+
+@pytest.mark.parametrize("verdict", [lambda e: np.array([1, 2]), lambda e: _BadTruth(), lambda e: _BadText("x")],
+                         ids=["an array", "bool raises SystemExit", "a str that cannot format"])
+def test_alert_whose_result_cannot_be_used(verdict):
+    # the alert's own failure: one warning naming it; every consumer still gets every event
     expected = scan_while(*ARGS)
     seen = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = sync(tap.verbose(scan_while, on_step=seen.append, alert=lambda e: np.array([1, 2]))(*ARGS))
+        out = sync(tap.verbose(scan_while, on_step=seen.append, alert=verdict)(*ARGS))
     assert_bits(out, expected)
     assert len(seen) == 4 + 12
-    assert len([w for w in caught if issubclass(w.category, tap.TapWarning)]) == 1
+    (message,) = [str(w.message) for w in caught if issubclass(w.category, tap.TapWarning)]
+    assert "alert" in message
 
 
 def test_totality_under_W_error_with_closed_stderr():

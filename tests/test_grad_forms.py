@@ -99,3 +99,30 @@ def test_loops_in_custom_rules_emit_under_autodiff_in_both_forms(name):
     paths_w = collections.Counter(e.path for e in rec.events)
     assert paths_v["while[0]"] > 0  # the loop inside the custom rule is heard under autodiff
     assert paths_v == paths_w
+
+
+# Tangent code: a custom_jvp rule (JAX traces it with the tangents as inputs,
+# then transposes the tangent part) and a function given to linear_transpose
+# (transposed whole). A primitive tap there, also inside a jit those call,
+# must neither reach the transposition (a NaN tripwire's cond on a tangent
+# cannot be transposed; a hop's packing could not be either) nor change bits.
+C = jnp.float32(3.0)
+TANGENT_CODE = {
+    "grad(softplus)": lambda: jax.grad(lambda x: jax.nn.softplus(x * 2.0).sum())(jnp.linspace(-1, 2, 5)),
+    "grad(scan of softplus)": lambda: jax.grad(lambda x: jax.lax.scan(
+        lambda c, _: (jax.nn.softplus(c) * 0.9, None), x, None, length=3)[0].sum())(jnp.linspace(-1, 2, 5)),
+    "jit(grad(norm))": lambda: jax.jit(jax.grad(lambda x: jnp.linalg.norm(x * 3.0)))(jnp.linspace(-1, 2, 5)),
+    "linear_transpose": lambda: jax.linear_transpose(lambda t: t * C, X)(X),
+    "jit(linear_transpose)": lambda: jax.jit(lambda x: jax.linear_transpose(lambda t: t * C, x)(x))(X),
+    "linear_transpose(scan)": lambda: jax.linear_transpose(
+        lambda t: jax.lax.scan(lambda s, _: (s * C, None), t, None, length=3)[0], X)(X),
+}
+
+
+@pytest.mark.parametrize("kind", ["on", "watch_nan", "print"])
+@pytest.mark.parametrize("form", sorted(TANGENT_CODE))
+def test_primitive_taps_in_tangent_code(form, kind, capfd):
+    want = sync(TANGENT_CODE[form]())
+    with tap.record(taps=[getattr(tap, kind)("mul")]):
+        got = sync(TANGENT_CODE[form]())
+    assert_bits(got, want)

@@ -32,6 +32,7 @@ from jax.lax import scan as scan_imported_before  # bound before any block exist
 import jaxtap as tap
 from jaxtap import _emit, _record, _seam
 from jaxtap._lens import snapshot
+from taputil import run_python
 
 SCAN_P = jex.core.primitives.scan_p
 WHILE_P = jex.core.primitives.while_p
@@ -482,6 +483,39 @@ def test_restored_when_block_raises(exc_type):
     assert not has_callback(jf.lower(X0, XS).as_text())
 
 
+def test_ctrl_c_during_a_tapped_run_stops_it_and_raises_keyboard_interrupt():
+    # A real SIGINT while a tapped loop runs (in a child: an interrupt that
+    # escaped would end this test session). On CPU the hop runs on the
+    # thread that waits for the program, so Ctrl-C lands in jax-tap's host
+    # code or a consumer; it must stop the run, and the block must raise
+    # KeyboardInterrupt (not XLA's runtime error, not a swallowed warning).
+    out = run_python("""
+        import os, signal, threading, time, warnings
+        import jax, jax.numpy as jnp, numpy as np, jaxtap as tap
+        from jaxtap._record import active_contexts
+        warnings.simplefilter("error")  # no TapWarning either
+        f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c * 0.999 + 1.0, None), x, None, length=10**8)[0])
+        g = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c * 0.999 + 1.0, None), x, None, length=100)[0])
+        before = np.asarray(g(jnp.float32(0))).tobytes()
+        def slow(e):
+            if e.step == 5:
+                threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT)).start()
+            time.sleep(0.001)  # a consumer doing host work (a progress bar)
+        for select, flush in ((None, None), (lambda _: (), None), (None, 100)):
+            try:
+                with tap.record(on_step=slow, select=select, flush_every=flush) as rec:
+                    f(jnp.float32(0)).block_until_ready()
+                print("not interrupted")
+            except KeyboardInterrupt as exc:
+                print("interrupted", 5 <= len(rec) < 10**6, type(exc.__cause__).__name__)
+        print("after", active_contexts(), np.asarray(g(jnp.float32(0))).tobytes() == before)
+    """, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[:3] == ["interrupted True JaxRuntimeError"] * 3, out.stdout
+    assert lines[3] == "after 0 True"
+
+
 def test_restored_after_failing_select_and_function_usable():
     jf = jax.jit(scan_fn)
     with pytest.raises(tap.TapSelectError):
@@ -490,6 +524,31 @@ def test_restored_after_failing_select_and_function_usable():
     assert_clean()
     assert bitwise_equal(jf(X0, XS), scan_fn(X0, XS))
     assert not has_callback(jf.lower(X0, XS).as_text())
+
+
+def test_a_block_exited_on_another_thread_leaves_later_blocks_their_events():
+    # a generator holding a block, finalized on another thread: the entering
+    # thread's own jit-key token cannot be reset from there; a later block on
+    # it must still compile tapped (not reuse a compilation made meanwhile)
+    f = jax.jit(lambda x: lax.scan(lambda c, _: (c * 0.5 + 1.0, None), x, None, length=3)[0])
+
+    def gen():
+        with tap.record():
+            yield
+
+    g = gen()
+    next(g)
+    holder = [g]
+    del g
+    t = threading.Thread(target=holder.clear)
+    t.start()
+    t.join()
+    f(jnp.float32(0))  # outside any block (compiled under the stale token)
+    with tap.record() as rec:
+        f(jnp.float32(0))
+    assert [e.step for e in rec.events] == [0, 1, 2]
+    tap.emergency_restore()
+    assert_clean()
 
 
 def test_generators():

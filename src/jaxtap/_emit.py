@@ -265,7 +265,7 @@ def _pack(args, by_dtype=None):
         for piece in pieces:
             groups.setdefault(np.dtype(piece.dtype), []).append(piece)
         pieces = [g[0] if len(g) == 1 else jnp.concatenate(g) for g in map(groups.get, byte_order(groups))]
-    parts = [p if p.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(p, jnp.uint8).reshape(-1) for p in pieces]
+    parts = [p if p.dtype == jnp.uint8 else _seam.to_bytes(p).reshape(-1) for p in pieces]
     return (parts[0] if len(parts) == 1 else jnp.concatenate(parts)), layout
 
 

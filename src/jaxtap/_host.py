@@ -3,7 +3,8 @@
 Nothing a consumer does may change or crash the user's program: every
 consumer runs behind a guard that swallows its exceptions and warns once
 (falling back to a plain stderr line when warnings themselves raise, as
-under ``python -W error``).
+under ``python -W error``). One exception passes: ``KeyboardInterrupt``
+(see :func:`pass_interrupt`).
 """
 from __future__ import annotations
 
@@ -20,6 +21,32 @@ from ._event import TapEvent
 class TapWarning(RuntimeWarning, UserWarning):
     """A telemetry consumer failed; the program itself was not touched.
     (Also a ``UserWarning``, as in jax-tap 0.3.1, so filters on either work.)"""
+
+
+def pass_interrupt(exc: BaseException) -> None:
+    """Re-raise a ``KeyboardInterrupt``; return for anything else.
+
+    On CPU a hop runs on the thread that waits for the program, so a Ctrl-C
+    during a tapped run usually lands in a consumer or in jax-tap's host
+    code. It is the user's, not a consumer's failure: swallowed, it would
+    leave the run impossible to stop. Raised out of the hop it stops the run
+    as it stops one holding a ``jax.debug.callback`` (XLA reports it as a
+    runtime error, which a block's exit turns back into a
+    ``KeyboardInterrupt``: :func:`interrupt_of`).
+    """
+    if isinstance(exc, KeyboardInterrupt):
+        raise exc
+
+
+def interrupt_of(exc: Optional[BaseException]) -> Optional[KeyboardInterrupt]:
+    """The ``KeyboardInterrupt`` a block raises in place of ``exc``, the
+    runtime error XLA reports for a Ctrl-C that stopped a host callback
+    (jax-tap's or the user's own ``jax.debug.callback``); None otherwise."""
+    if exc is None or not isinstance(exc, Exception) or "KeyboardInterrupt" not in type(exc).__name__ + str(exc):
+        return None
+    if not any(c.__name__ in ("JaxRuntimeError", "XlaRuntimeError") for c in type(exc).__mro__):
+        return None
+    return KeyboardInterrupt()
 
 
 def _say(text: str, stream=None, end: str = "\n") -> None:
@@ -61,6 +88,9 @@ class Guard:
             return None
 
     def failed(self, exc: BaseException) -> None:
+        """Warn once that the consumer raised ``exc`` (a Ctrl-C is re-raised:
+        :func:`pass_interrupt`)."""
+        pass_interrupt(exc)
         with self._lock:
             if self._warned:
                 return
@@ -139,7 +169,8 @@ class Alerter:
                 message = self.label
             else:
                 return
-        except Exception as exc:  # noqa: BLE001
+            line = fail_line(event, message)  # (a str subclass may format badly)
+        except BaseException as exc:  # noqa: BLE001 - totality, as Guard
             self.guard.failed(exc)
             return
         if self.once:
@@ -147,13 +178,13 @@ class Alerter:
                 if key in self._fired:
                     return
                 self._fired.add(key)
-        _say(fail_line(event, message))
+        _say(line)
 
 
 def _truthy(verdict: Any, guard: Guard) -> bool:
     try:
         return bool(verdict)
-    except Exception as exc:  # noqa: BLE001 - e.g. an array with many elements
+    except BaseException as exc:  # noqa: BLE001 - e.g. an array with many elements
         guard.failed(exc)
         return False
 

@@ -31,7 +31,7 @@ import jax
 
 from . import _seam
 from ._emit import TapSelectError, shard_mode
-from ._host import Guard, warn_once_now
+from ._host import Guard, interrupt_of, warn_once_now
 from . import _loops  # noqa: F401 - registers the scan and while rules
 from ._routing import Router
 from ._rules import RULES
@@ -98,8 +98,11 @@ class CallScope:
         _REGISTRY.push(self)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
         _REGISTRY.remove(self, self._thread)
+        interrupt = interrupt_of(exc)
+        if interrupt is not None:  # a Ctrl-C stopped the run (see _host.pass_interrupt)
+            raise interrupt from exc
         return False
 
 
@@ -110,6 +113,9 @@ class _Registry:
         self.lock = threading.RLock()
         self.stacks: dict = {}  # thread ident -> [weakref(ctx)], innermost last
         self.tokens: dict = {}  # (plan fingerprint, thread ident) -> Token
+        # threads whose own (thread-local) token another thread could not
+        # reset: a block of theirs collected elsewhere (see remove)
+        self.stale: set = set()
         self.n_active = 0
         self.generation = 0  # changes whenever the active blocks change (routes cached by it)
 
@@ -117,6 +123,10 @@ class _Registry:
     def token_for(self, plan, thread):
         key = (plan.fingerprint(), thread)
         with self.lock:
+            if thread in self.stale:  # its old tokens may key compilations made untapped since
+                self.stale.discard(thread)
+                for k in [k for k in self.tokens if k[1] == thread]:
+                    del self.tokens[k]
             tok = self.tokens.pop(key, None)
             if tok is None:
                 tok = Token(key, plan)
@@ -154,7 +164,10 @@ class _Registry:
             _sync_patches()
         if thread == threading.get_ident():
             self._sync_thread_token()
-        else:
+        else:  # (a block garbage-collected on another thread) its thread keeps its
+            # own token until it next enters a block: that block gets fresh tokens
+            with self.lock:
+                self.stale.add(thread)
             _seam.set_global_token(_jit_key(self.sole()))
 
     def active(self):
@@ -204,6 +217,7 @@ class _Registry:
                 ctx._active = False
             self.stacks.clear()
             self.tokens.clear()
+            self.stale.clear()
             self.n_active = 0
             self.generation += 1  # cached routes to the reset blocks go stale
             _uninstall_all()
@@ -404,10 +418,11 @@ def _tap_primitive(prim, ctx, args, params):
 
     Only at the base of the trace stack (eager, or staging into a jaxpr):
     under vmap/grad the rule's own bind of the primitive reaches the base.
-    Never in derivative code or a linear solve's operator (JAX transposes
-    those; ``tap.primitives`` does not list what is inside them).
+    Never in derivative code, a linear solve's operator, a custom_jvp rule
+    or a function to transpose (JAX transposes those, tangents and all;
+    ``tap.primitives`` does not list what is inside them).
     """
-    if not _seam.at_base_trace() or _seam.in_derivative_code():
+    if not _seam.at_base_trace() or _seam.in_tangent_code():
         return _seam.bind_original(prim, args, params)
     with _seam.quiet():  # eager dispatch re-binds the primitive inside a jit
         out = _seam.bind_original(prim, args, params)

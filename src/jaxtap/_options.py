@@ -10,8 +10,11 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
 
 OPS = ("scan", "while_loop")
 _OP_ALIASES = {"scan": "scan", "while_loop": "while", "while": "while", "fori_loop": None, "map": None}
@@ -49,16 +52,24 @@ def normalize_ops(ops) -> frozenset:
     return frozenset(kinds)
 
 
-def _check_int(name, value, *, minimum, optional, requirement, hint):
+def _check_int(name, value, *, minimum, optional, requirement, hint, maximum=None):
     if optional and value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    try:  # numpy integers too (not bools, not floats)
+        number = None if isinstance(value, (bool, np.bool_)) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number < minimum or (maximum is not None and number > maximum):
         raise ValueError(f"jax-tap: `{name}` must be {requirement}, got {value!r}. {hint}")
-    return value
+    return number
+
+
+_INT32_MAX = 2**31 - 1  # a step counter on device is an int32
 
 
 def check_sample_every(k) -> int:
-    return _check_int("sample_every", k, minimum=1, optional=False, requirement="a positive int",
+    return _check_int("sample_every", k, minimum=1, optional=False, maximum=_INT32_MAX,
+                      requirement=f"a positive int (at most {_INT32_MAX})",
                       hint="Use sample_every=1 to observe every step, 100 for one step in a hundred.")
 
 
@@ -192,10 +203,9 @@ class Config:
     def __post_init__(self):
         for name in ("on_step", "select", "alert", "where", "select_ys", "on_ys", "alert_ys"):
             _check_callable(name, getattr(self, name))
-        check_sample_every(self.sample_every)
-        check_max_depth(self.max_depth)
-        check_flush_every(self.flush_every)
-        check_max_compiles(self.max_compiles)
+        for name, check in (("sample_every", check_sample_every), ("max_depth", check_max_depth),
+                            ("flush_every", check_flush_every), ("max_compiles", check_max_compiles)):
+            object.__setattr__(self, name, check(getattr(self, name)))  # numpy ints become ints
         for name in ("alert_once", "alert_ys_once", "jit_events", "trace_events", "timeline", "per_shard", "backward"):
             if not isinstance(getattr(self, name), (bool, int)):
                 raise TypeError(f"jax-tap: `{name}` must be True or False, got {getattr(self, name)!r}")

@@ -7,6 +7,7 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 
 from . import _seam
 from ._collectors import FlightRecorder
+from ._host import interrupt_of
 from ._lens import _REGISTRY, SiteIndex, interception_unavailable
 from ._toolkit import warn_unmatched
 from ._options import Config, PrimTap
@@ -69,6 +70,9 @@ class TapContext:
             _REGISTRY.remove(self, self._thread)
         if self._plan.prim_taps and self._names_seen:
             warn_unmatched(self._plan.prim_taps, self._names_seen)
+        interrupt = interrupt_of(exc)
+        if interrupt is not None:  # a Ctrl-C stopped the run: say it as Python would
+            raise interrupt from exc
         return False
 
     def __repr__(self):

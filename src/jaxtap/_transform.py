@@ -32,8 +32,9 @@ from ._rules import RULES, observed, register, ruled_names
 from ._rules import bind as _bind, bool_aval as _bool_aval, both as _both, int32_aval as _int32_aval
 
 
-class WhereError(TypeError):
-    """The user's ``where`` raised: bad input, never a reason to run untapped."""
+class WhereError(TapSelectError):
+    """The user's ``where`` raised: bad input, never a reason to run untapped
+    (a :class:`TapSelectError`, so it is raised as every bad select is)."""
 
 
 def _branch_ran(index, branch):
@@ -170,7 +171,8 @@ class Walker:
             try:
                 return bool(p.where(path))
             except Exception as exc:  # noqa: BLE001 - a broken where is bad input
-                raise WhereError(f"jax-tap: your `where` raised on path {path!r}: {exc!r}") from None
+                raise WhereError(f"jax-tap: your `where` raised on path {path!r}: {exc!r}. `where` takes a loop's "
+                                 "path and returns True to tap it, e.g. where=lambda path: path == 'scan[0]'.") from None
         return True
 
     def needs(self, jaxpr) -> bool:

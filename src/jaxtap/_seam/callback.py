@@ -34,10 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._host import warn_once_now
+from .._host import pass_interrupt, warn_once_now
 from .versions import internal
 
-__all__ = ["host_callback", "FAST_HOST_CALLBACK"]
+__all__ = ["host_callback", "FAST_HOST_CALLBACK", "to_bytes"]
 
 _core = internal("jax._src.core")
 _debugging = internal("jax._src.debugging")
@@ -95,6 +95,7 @@ def _call(fn, args, cpu_default):
         else:
             fn(*args)
     except BaseException as exc:  # noqa: BLE001 - totality
+        pass_interrupt(exc)  # a Ctrl-C stops the run
         warn_once_now(f"jax-tap: a host callback failed and was skipped: {exc!r}")
 
 
@@ -190,15 +191,59 @@ def _build():
     return hop_p
 
 
-def _try_build():
+def _try_build(build=None):
     try:
-        return _build()
+        return (build or _build)()
     except Exception:  # noqa: BLE001 - any JAX may move its internals: fall back to jax.debug.callback
         return None
 
 
 _HOP_P = _try_build()
 FAST_HOST_CALLBACK = _HOP_P is not None
+
+
+def _build_bytes():
+    """``jaxtap_bytes``: ``bitcast_convert_type`` to bytes, transposable.
+
+    A hop's operand may be a tangent: a tap inside a ``custom_jvp`` rule or a
+    function given to ``jax.linear_transpose`` that JAX then transposes
+    whole. The hop itself transposes to nothing, and so must every step that
+    packs its operand; JAX's bitcast has no transpose rule. The bytes only
+    feed the hop, so their cotangent is always zero. Same lowering, same
+    program.
+    """
+    bytes_p = _core.Primitive("jaxtap_bytes")
+
+    def bitcast(x):
+        return jax.lax.bitcast_convert_type(x, jnp.uint8)
+
+    bytes_p.def_impl(bitcast)
+    def abstract(aval):
+        size = np.dtype(aval.dtype).itemsize
+        return _core.ShapedArray(tuple(aval.shape) + ((size,) if size > 1 else ()), np.dtype(np.uint8))
+
+    bytes_p.def_abstract_eval(abstract)
+    _mlir.register_lowering(bytes_p, _mlir.lower_fun(bitcast, multiple_results=False))
+    _batching.primitive_batchers[bytes_p] = lambda args, dims: (bytes_p.bind(*args), dims[0])
+
+    def jvp(primals, tangents):  # integer bytes: a zero tangent, as bitcast's own rule gives
+        out = bytes_p.bind(*primals)
+        return out, _ad.Zero(_core.ShapedArray(tuple(out.shape), jax.dtypes.float0))
+
+    _ad.primitive_jvps[bytes_p] = jvp
+    _ad.primitive_transposes[bytes_p] = lambda ct, x: [None]
+    return bytes_p
+
+
+_BYTES_P = _try_build(_build_bytes)
+
+
+def to_bytes(x):
+    """``x`` (numeric, at least a byte wide) bitcast to uint8, a trailing axis
+    of its item size added (dropped for uint8 itself), transposable."""
+    if _BYTES_P is None:
+        return jax.lax.bitcast_convert_type(x, jnp.uint8)
+    return _BYTES_P.bind(x)
 
 
 def host_callback(fn, *args, partitioned=False, on_batch=None):

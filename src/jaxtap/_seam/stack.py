@@ -4,6 +4,8 @@ how a primitive's bind is routed through jax-tap, and the jit-key state that
 separates tapped from clean compilations."""
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import sys
 import threading
@@ -23,6 +25,7 @@ __all__ = [
     "impl_bind_is_nested",
     "in_custom_body_trace",
     "in_derivative_code",
+    "in_tangent_code",
     "barrier_here",
     "differentiated",
     "differentiating",
@@ -227,6 +230,52 @@ def in_derivative_code() -> bool:
         dbg = getattr(frame, "debug_info", None)
         if getattr(dbg, "traced_for", None) in _LINEAR_TRACES:
             return True
+    return False
+
+
+def in_tangent_code() -> bool:
+    """:func:`in_derivative_code`, or a custom_jvp rule or a function given
+    to ``jax.linear_transpose`` being traced further up the stack (a jit
+    inside one included): where a primitive's value may be a tangent. A
+    loop there is still tapped (the rule's primal loops are the user's)."""
+    return in_derivative_code() or (isinstance(_core.trace_ctx.trace, _pe.DynamicJaxprTrace)
+                                    and _inside_tangent_code())
+
+
+def _code_of(module, name):
+    """The code object of ``module.name``, seen through decorators and
+    ``functools.partial`` (JAX's ``lu.transformation`` decorators); None
+    where it moved (the check then finds nothing)."""
+    fn = getattr(internal(module), name, None)
+    candidates = [fn]
+    while candidates:
+        fn = candidates.pop()
+        if isinstance(fn, functools.partial):
+            candidates.extend([fn.func, *fn.args])
+            continue
+        fn = inspect.unwrap(fn) if callable(fn) else fn
+        if getattr(fn, "__name__", None) == name and hasattr(fn, "__code__"):
+            return fn.__code__
+    return None
+
+
+# Functions JAX later transposes whole, tangents and all: a custom_jvp rule
+# (JAX traces it with the tangents as inputs) and ``linear_transpose``'s. A
+# jit inside one (``jnp.multiply`` is one, lineax's solves are) is traced
+# afresh, by a trace that cannot see them: only the Python stack can. A tap
+# there could not be transposed (a NaN tripwire's cond on a tangent).
+_TANGENT_CODES = frozenset(filter(None, (_code_of("jax._src.api", "linear_transpose"),
+                                          _code_of("jax._src.custom_derivatives", "_flatten_jvp"))))
+
+
+def _inside_tangent_code() -> bool:
+    """Is JAX tracing a custom_jvp rule or a function to transpose, further
+    up the stack? (Only a tapped primitive's bind asks: trace time.)"""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code in _TANGENT_CODES:
+            return True
+        frame = frame.f_back
     return False
 
 

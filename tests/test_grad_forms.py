@@ -126,3 +126,35 @@ def test_primitive_taps_in_tangent_code(form, kind, capfd):
     with tap.record(taps=[getattr(tap, kind)("mul")]):
         got = sync(TANGENT_CODE[form]())
     assert_bits(got, want)
+
+
+@jax.custom_vjp
+def _halve_until_small(x):
+    return jax.lax.while_loop(lambda c: c > 1.0, lambda c: c * 0.5, x)
+
+
+_halve_until_small.defvjp(lambda x: (_halve_until_small(x), None), lambda _, g: (g,))
+
+
+@pytest.mark.parametrize("order", ["custom first", "custom second"])
+def test_where_sees_the_final_address_of_a_loop_in_a_custom_body(order):
+    # a custom_vjp body's loop is numbered when its events arrive (Equinox's
+    # checkpointed while_loop, diffrax's solver loop, is such a body); a
+    # `where` written from the events' paths must select it
+    def f(x):
+        plain = lambda v: jax.lax.while_loop(lambda c: c < 100.0, lambda c: c * 3.0, v)  # noqa: E731
+        if order == "custom first":
+            return plain(_halve_until_small(x * 40.0))
+        return _halve_until_small(plain(x) * 2.0)
+
+    g = jax.jit(f)
+    want = sync(g(X))
+    with tap.record() as rec:
+        sync(g(X))
+    by_path = collections.Counter(e.path for e in rec.events)
+    assert set(by_path) == {"while[0]", "while[1]"}
+    for path in by_path:
+        with tap.record(where=lambda p, path=path: p == path) as only:
+            got = sync(g(X))
+        assert_bits(got, want)
+        assert collections.Counter(e.path for e in only.events) == {path: by_path[path]}

@@ -55,7 +55,7 @@ class _ScanRewrite:
             self.view, self.path, self.top, self.wants = None, scope.prefix, scope.top, (False, False)
         elif info is not None:
             self.path, self.top = address
-            self.wants = (walker.loop_wants("scan", self.path)[0], False)
+            self.wants = (walker.loop_wants("scan", self.path, scope.provisional)[0], False)
         else:
             self.path, self.top = walker.loop_address(scope, _seam.loop_site(_seam.scan_p, params, site),
                                                       self.length)
@@ -63,7 +63,8 @@ class _ScanRewrite:
                 _seam.note_loop_as_written(params, site)  # (per lane under vmap: its backward twin's lanes)
             # a forward loop recomputed in a backward step (jax.checkpoint) is
             # not a second forward pass
-            self.wants = (False, False) if scope.backward else walker.loop_wants("scan", self.path)
+            self.wants = (False, False) if scope.backward else walker.loop_wants("scan", self.path,
+                                                                                 scope.provisional)
         self.emits = any(self.wants)
         plan = walker.plan
         # an inner scan no longer than K may ride in its enclosing buffered step
@@ -483,7 +484,7 @@ def handle_while(walker, eqn, params, invals, scope, site):
     """
     cond, cnc, body, bnc = _seam.while_parts(params)
     path, top = scope.address("while", _seam.loop_site(_seam.while_p, params, site))
-    wants = walker.loop_wants("while", path)
+    wants = walker.loop_wants("while", path, scope.provisional)
     emits = any(wants)
     if not emits and not walker.needs(body.jaxpr):
         return _bind(eqn, _seam.while_p, invals, params)

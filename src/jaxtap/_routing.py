@@ -55,8 +55,8 @@ class Router:
             return None, None
         if top is not None:
             first, sep, rest = path.partition("/")
-            mine = f"{top[0]}[{ctx._sites.index(*top)}]"
-            if mine != first:
+            mine = f"{top[0]}[{ctx._sites.index(top[0], top[1])}]"
+            if mine != first or len(top) > 2:  # renamed, or a provisional loop's (where not asked yet)
                 path = mine + sep + rest
                 where = ctx._plan.where
                 if where is not None and kind == "carry" and not _safe_where(where, path):

@@ -80,7 +80,7 @@ class Scope:
     """Where the walk is: address prefix, numbering, innermost loop's step."""
 
     __slots__ = ("prefix", "counter", "in_loop", "step", "total", "top", "differentiable", "side", "lane_running",
-                 "backward", "sample_offset")
+                 "backward", "sample_offset", "provisional")
 
     def __init__(self, prefix, counter, in_loop, step, total, top=None, differentiable=True, side=None):
         self.prefix = prefix
@@ -102,19 +102,24 @@ class Scope:
         # counter k is forward step total-1-k, and its events say so
         self.backward = False
         self.sample_offset = 0  # a backward loop's: its sampled counters are offset, offset + k, ...
+        # in a custom_jvp/custom_vjp body: its top-level index is fixed only
+        # when its events arrive (_routing.Router), so `where` is asked there
+        self.provisional = False
 
     def address(self, name, site):
         """(path, top) of the next `name` node at this level."""
         seg = f"{name}[{self.counter.index(name, site)}]"
         if self.prefix:
             return f"{self.prefix}/{seg}", self.top
-        return seg, (name, site)
+        # (a provisional top says so: the host asks `where` of its final path)
+        return seg, ((name, site, "provisional") if self.provisional else (name, site))
 
     def child(self, prefix, counter, step, total, top, in_loop=True, differentiable=None, side=None, backward=None):
         child = Scope(prefix, counter, in_loop, step, total, top,
                       self.differentiable if differentiable is None else differentiable, side)
         child.backward = self.backward if backward is None else backward
         child.sample_offset = self.sample_offset if backward is None else 0
+        child.provisional = self.provisional
         return child
 
 
@@ -150,24 +155,30 @@ class Walker:
     # -------------------------------------------------------------- decisions
     def top_scope(self, sites=None):
         """The walk's outermost scope; ``sites``: number top-level loops there
-        instead of in the walker's own index."""
-        return Scope("", self.sites if sites is None else sites, False, None, 1)
+        instead of in the walker's own index (a provisional scope: a
+        custom rule's body, whose loops are numbered when their events
+        arrive)."""
+        scope = Scope("", self.sites if sites is None else sites, False, None, 1)
+        scope.provisional = sites is not None
+        return scope
 
-    def loop_wants(self, kind, path):
-        """(carry?, ys?) this loop emits; (False, False) when it is silent."""
+    def loop_wants(self, kind, path, provisional=False):
+        """(carry?, ys?) this loop emits; (False, False) when it is silent.
+        ``provisional``: ``path`` is not final yet; ``where`` is then asked
+        of the final one, on the host (``_routing``)."""
         p = self.plan
         want_ys = p.emit_ys and kind == "scan"
-        if not (p.emit_carry or want_ys) or not self._selected(kind, path):
+        if not (p.emit_carry or want_ys) or not self._selected(kind, path, provisional):
             return (False, False)
         return (p.emit_carry, want_ys)
 
-    def _selected(self, kind, path) -> bool:
+    def _selected(self, kind, path, provisional=False) -> bool:
         p = self.plan
         if kind not in p.kinds:
             return False
         if p.max_depth is not None and path.count("/") > p.max_depth:
             return False
-        if p.where is not None:
+        if p.where is not None and not provisional:
             try:
                 return bool(p.where(path))
             except Exception as exc:  # noqa: BLE001 - a broken where is bad input

@@ -725,3 +725,11 @@ def test_a_tap_on_an_output_the_primitive_lacks_is_a_clear_error_in_both_forms()
         with pytest.raises(tap.TapSelectError, match=f"output={k}"):
             with tap.record(taps=[tap.on("eigh", output=k)]):
                 fn(a)
+
+
+@pytest.mark.parametrize("make", [tap.on, tap.print, tap.watch_nan], ids=["on", "print", "watch_nan"])
+@pytest.mark.parametrize("name", ["scan", "while"])
+def test_a_loop_name_is_not_a_primitive_tap(make, name):
+    # `tap.primitives` lists loops; their carries are what record/verbose tap
+    with pytest.raises(ValueError, match="is a loop"):
+        make(name)

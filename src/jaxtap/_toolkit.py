@@ -16,11 +16,20 @@ from ._host import Alerter, _say, at, value_repr, warn_once_now
 from ._options import PrimTap
 
 
+_LOOP_NAMES = frozenset({"scan", "while", "while_loop"})
+
+
 def _check_prim_args(prim_name, select, output, label, once):
     if not isinstance(prim_name, str) or not prim_name:
         raise TypeError(
             f"jax-tap: the primitive name must be a non-empty str such as 'cholesky', got {prim_name!r}. "
             "tap.primitives(f, *args) lists the names in your program."
+        )
+    if prim_name in _LOOP_NAMES:
+        raise ValueError(
+            f"jax-tap: {prim_name!r} is a loop: its carries are tapped by tap.record/tap.verbose themselves "
+            "(choose loops with `ops=`, `where=` or `max_depth=`, shape what crosses with `select=`); "
+            "tap.on/tap.print/tap.watch_nan tap the primitives inside loops."
         )
     if select is not None and not callable(select):
         raise TypeError(f"jax-tap: `select` must be callable (or None), got {select!r}")

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import jaxtap as tap
-from taputil import assert_bits, sync
+from jaxtap import _seam
+from taputil import assert_bits, cases, sync
 
 pytestmark = pytest.mark.slow
 
@@ -71,6 +72,19 @@ def _diffrax_dopri5_grad():
         return sol.ys.sum()
 
     return jax.jit(jax.grad(loss)), (jnp.linspace(0.5, 1.5, 43),)
+
+
+def _diffrax_dopri5():
+    import diffrax
+
+    @jax.jit
+    def solve(y0):
+        term = diffrax.ODETerm(lambda t, y, mu: jnp.stack([y[1], mu * (1 - y[0] ** 2) * y[1] - y[0]]))
+        return diffrax.diffeqsolve(term, diffrax.Dopri5(), 0.0, 5.0, 0.05, y0, args=1.5,
+                                   saveat=diffrax.SaveAt(ts=jnp.linspace(0.0, 5.0, 11)),
+                                   stepsize_controller=diffrax.PIDController(rtol=1e-5, atol=1e-5)).ys
+
+    return solve, (jnp.array([1.0, 0.5]),)
 
 
 def _optax_adam():
@@ -133,6 +147,7 @@ WORKLOADS = {
     "lineax_cg_grad": _lineax_cg_grad,
     "optimistix_newton": _optimistix_newton,
     "diffrax_tsit5": _diffrax_tsit5,
+    "diffrax_dopri5": _diffrax_dopri5,
     "diffrax_dopri5_grad": _diffrax_dopri5_grad,
     "optax_adam": _optax_adam,
     "numpyro_nuts": _numpyro_nuts,
@@ -148,7 +163,15 @@ def _stream(events):
     return out
 
 
-@pytest.mark.parametrize("name", sorted(WORKLOADS))
+# measured gaps, each named in README's Known boundaries
+GAPS = {
+    "diffrax_dopri5": ("README Known boundaries, Real libraries: on JAX 0.12 a tapped Dopri5 loop changes how XLA "
+                       "compiles the small calls of the loops around it (2 of 22 values move)")
+    if _seam.JAX_VERSION >= (0, 12) else None,
+}
+
+
+@pytest.mark.parametrize("name", list(cases({name: GAPS.get(name) for name in sorted(WORKLOADS)})))
 def test_library_workload_in_both_forms(name):
     fn, args = WORKLOADS[name]()
     ref = sync(fn(*args))

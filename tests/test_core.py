@@ -685,3 +685,24 @@ def test_a_tapped_while_loop_runs_cond_fun_at_most_three_times_a_step():
     assert_bits(out, plain)
     assert untapped == [0, 1, 2, 3] and sorted(set(log)) == untapped and len(log) <= 3 * 3 + 1
     assert [e.step for e in rec.events] == [0, 1, 2]
+
+
+def test_a_consumer_exception_that_cannot_be_printed():
+    # (in a child: formatting it where the warning is built used to abort the process on JAX 0.10)
+    proc = run_python("""
+        import warnings, jax, jax.numpy as jnp, jaxtap as tap
+        class Evil(Exception):
+            def __str__(self):
+                raise Evil()
+            __repr__ = __str__
+        def consumer(e):
+            raise Evil()
+        f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=5)[0])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with tap.record(on_step=consumer) as rec:
+                out = f(jnp.float32(0)).block_until_ready()
+        print(float(out), len(rec), [str(w.message)[:60] for w in caught])
+    """)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "5.0 5 ['jax-tap: the on_step callback consumer raised Evil (its mess']"

@@ -158,3 +158,26 @@ def test_where_sees_the_final_address_of_a_loop_in_a_custom_body(order):
             got = sync(g(X))
         assert_bits(got, want)
         assert collections.Counter(e.path for e in only.events) == {path: by_path[path]}
+
+
+@jax.custom_vjp
+def _scan_in_custom(x):
+    return jax.lax.scan(lambda c, _: (c * 0.5, c), x, None, length=2)
+
+
+_scan_in_custom.defvjp(lambda x: (_scan_in_custom(x), None), lambda _, g: (g[0],))
+
+
+def test_where_in_a_custom_body_filters_outputs_and_still_checks_itself():
+    f = jax.jit(lambda x: _scan_in_custom(jax.lax.scan(lambda c, _: (c + 1.0, c), x, None, length=2)[0]))
+    with tap.record(select_ys=lambda ys: ys) as rec:
+        sync(f(X))
+    assert {(e.path, e.kind) for e in rec.events} == {(p, k) for p in ("scan[0]", "scan[1]")
+                                                      for k in ("carry", "output")}
+    for path in ("scan[0]", "scan[1]"):
+        with tap.record(select_ys=lambda ys: ys, where=lambda p, path=path: p == path) as only:
+            sync(f(X))
+        assert {(e.path, e.kind) for e in only.events} == {(path, "carry"), (path, "output")}
+    with pytest.raises(tap.TapSelectError, match="where"):
+        with tap.record(where=lambda: True):  # no argument: bad input, also for a body's loop
+            sync(jax.jit(lambda x: _scan_in_custom(x))(X))

@@ -733,3 +733,27 @@ def test_a_loop_name_is_not_a_primitive_tap(make, name):
     # `tap.primitives` lists loops; their carries are what record/verbose tap
     with pytest.raises(ValueError, match="is a loop"):
         make(name)
+
+
+COMBINERS = {  # a reduction's or scatter's combiner: a computation XLA applies, never tapped
+    "x.at[1].add": lambda: jnp.zeros(3).at[1].add(2.0),
+    "grad of x[idx]": lambda: jax.grad(lambda v: v[jnp.array([0, 2, 2])].sum())(jnp.ones(3)),
+    "scan with .at[].add": lambda: jax.lax.scan(lambda c, _: (c.at[0].add(1.0), None), jnp.zeros(2), None,
+                                                length=3)[0],
+    "segment_sum": lambda: jax.ops.segment_sum(jnp.arange(4.0), jnp.array([0, 0, 1, 1]), num_segments=2),
+    "lax.reduce, custom": lambda: jax.lax.reduce(jnp.ones((2, 3)), 0.0, lambda a, b: a + b * 2.0, (1,)),
+    "lax.reduce_window, custom": lambda: jax.lax.reduce_window(jnp.ones((2, 3)), 0.0, lambda a, b: a + b * 2.0,
+                                                               (1, 2), (1, 1), "VALID"),
+}
+
+
+@pytest.mark.parametrize("make", [tap.on, tap.watch_nan], ids=["on", "watch_nan"])
+@pytest.mark.parametrize("name", sorted(COMBINERS))
+def test_taps_never_enter_a_combiner(name, make):
+    want = COMBINERS[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tap.TapWarning)  # ("matched nothing" where the only adds are combiners)
+        for prim in ("add", "mul"):
+            with tap.record(taps=[make(prim)]):
+                got = jax.block_until_ready(COMBINERS[name]())
+            assert_bitwise(got, want)

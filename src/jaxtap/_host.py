@@ -49,6 +49,14 @@ def interrupt_of(exc: Optional[BaseException]) -> Optional[KeyboardInterrupt]:
     return KeyboardInterrupt()
 
 
+def describe(exc: BaseException) -> str:
+    """``"Type: message"`` of an exception, even one whose ``__str__`` raises."""
+    try:
+        return f"{type(exc).__name__}: {exc}"
+    except BaseException:  # noqa: BLE001 - its text cannot be made: its type still names it
+        return f"{type(exc).__name__} (its message could not be formatted)"
+
+
 def _say(text: str, stream=None, end: str = "\n") -> None:
     """Write ``text`` to ``stream`` (stderr as it is now); never raise."""
     try:
@@ -97,7 +105,7 @@ class Guard:
             self._warned = True
         name = getattr(self.fn, "__qualname__", None) or repr(self.fn)
         warn_once_now(
-            f"jax-tap: the {self.role} {name} raised {type(exc).__name__}: {exc}. "
+            f"jax-tap: the {self.role} {name} raised {describe(exc)}. "
             "The program is unaffected; further failures of this consumer are silent."
         )
 

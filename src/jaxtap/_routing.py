@@ -59,7 +59,7 @@ class Router:
             if mine != first or len(top) > 2:  # renamed, or a provisional loop's (where not asked yet)
                 path = mine + sep + rest
                 where = ctx._plan.where
-                if where is not None and kind == "carry" and not _safe_where(where, path):
+                if where is not None and kind != "primitive" and not _safe_where(where, path):
                     return None, None
         return ctx, path
 

@@ -178,12 +178,13 @@ class Walker:
             return False
         if p.max_depth is not None and path.count("/") > p.max_depth:
             return False
-        if p.where is not None and not provisional:
+        if p.where is not None:
             try:
-                return bool(p.where(path))
+                chosen = bool(p.where(path))  # (asked even of a provisional path: a broken where says so now)
             except Exception as exc:  # noqa: BLE001 - a broken where is bad input
                 raise WhereError(f"jax-tap: your `where` raised on path {path!r}: {exc!r}. `where` takes a loop's "
                                  "path and returns True to tap it, e.g. where=lambda path: path == 'scan[0]'.") from None
+            return chosen or provisional
         return True
 
     def needs(self, jaxpr) -> bool:

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._host import pass_interrupt, warn_once_now
+from .._host import describe, pass_interrupt, warn_once_now
 from .versions import internal
 
 __all__ = ["host_callback", "FAST_HOST_CALLBACK", "to_bytes"]
@@ -96,7 +96,7 @@ def _call(fn, args, cpu_default):
             fn(*args)
     except BaseException as exc:  # noqa: BLE001 - totality
         pass_interrupt(exc)  # a Ctrl-C stops the run
-        warn_once_now(f"jax-tap: a host callback failed and was skipped: {exc!r}")
+        warn_once_now(f"jax-tap: a host callback failed and was skipped: {describe(exc)}")
 
 
 def _slow(fn, *args):

@@ -237,7 +237,8 @@ def in_tangent_code() -> bool:
     """:func:`in_derivative_code`, or a custom_jvp rule or a function given
     to ``jax.linear_transpose`` being traced further up the stack (a jit
     inside one included): where a primitive's value may be a tangent. A
-    loop there is still tapped (the rule's primal loops are the user's)."""
+    loop there is still tapped (the rule's primal loops are the user's).
+    Also a reduction's combiner (a jit inside one included)."""
     return in_derivative_code() or (isinstance(_core.trace_ctx.trace, _pe.DynamicJaxprTrace)
                                     and _inside_tangent_code())
 
@@ -265,7 +266,11 @@ def _code_of(module, name):
 # afresh, by a trace that cannot see them: only the Python stack can. A tap
 # there could not be transposed (a NaN tripwire's cond on a tangent).
 _TANGENT_CODES = frozenset(filter(None, (_code_of("jax._src.api", "linear_transpose"),
-                                          _code_of("jax._src.custom_derivatives", "_flatten_jvp"))))
+                                          _code_of("jax._src.custom_derivatives", "_flatten_jvp"),
+                                          # a reduction's or scatter's combiner (x.at[i].add,
+                                          # lax.reduce): XLA applies it, it must stay effect-free
+                                          _code_of("jax._src.lax.lax", "_reduction_jaxpr"),
+                                          _code_of("jax._src.lax.lax", "_variadic_reduction_jaxpr"))))
 
 
 def _inside_tangent_code() -> bool:

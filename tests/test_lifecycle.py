@@ -516,6 +516,37 @@ def test_ctrl_c_during_a_tapped_run_stops_it_and_raises_keyboard_interrupt():
     assert lines[3] == "after 0 True"
 
 
+def test_a_ctrl_c_that_python_dropped_still_stops_the_run():
+    # Python's handler can raise KeyboardInterrupt inside a gc callback a hop
+    # triggers, where it is dropped; the block's own SIGINT note catches it
+    # (simulated: the note set, no KeyboardInterrupt raised). A handler of
+    # the user's own is left alone; Python's default is back after the block.
+    out = run_python("""
+        import signal, jax, jax.numpy as jnp, jaxtap as tap
+        from jaxtap import _host
+        f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c * 0.999 + 1.0, None), x, None, length=10**7)[0])
+        def dropped(e):
+            if e.step == 5:
+                _host._SIGINT.pending = True
+        try:
+            with tap.record(on_step=dropped) as rec:
+                inside = signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+                f(jnp.float32(0)).block_until_ready()
+            print("not interrupted")
+        except KeyboardInterrupt:
+            print("interrupted", inside, 6 <= len(rec) < 10**6)
+        print("restored", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        mine = lambda *a: None
+        signal.signal(signal.SIGINT, mine)
+        with tap.record():
+            print("user's handler kept", signal.getsignal(signal.SIGINT) is mine)
+        print("after", signal.getsignal(signal.SIGINT) is mine)
+    """, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:4] == ["interrupted True True", "restored True", "user's handler kept True",
+                                          "after True"], out.stdout
+
+
 def test_restored_after_failing_select_and_function_usable():
     jf = jax.jit(scan_fn)
     with pytest.raises(tap.TapSelectError):

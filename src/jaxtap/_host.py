@@ -8,6 +8,7 @@ under ``python -W error``). One exception passes: ``KeyboardInterrupt``
 """
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 import warnings
@@ -35,7 +36,75 @@ def pass_interrupt(exc: BaseException) -> None:
     ``KeyboardInterrupt``: :func:`interrupt_of`).
     """
     if isinstance(exc, KeyboardInterrupt):
+        _SIGINT.pending = False  # (on its way)
         raise exc
+
+
+class _SigintWatch:
+    """Ctrl-C seen while a block is active on the main thread.
+
+    Python's own handler raises ``KeyboardInterrupt`` at the next bytecode,
+    which can be inside a garbage-collection callback that a hop's
+    allocations trigger, where Python drops it. So while a block is active
+    (and Python's default handler is the one installed) a handler of ours
+    notes the signal first; the next hop, or the block's exit, raises it if
+    it was lost. A handler of the user's own is left alone.
+    """
+
+    lock = threading.Lock()
+    depth = 0
+    installed = False
+    pending = False
+
+
+_SIGINT = _SigintWatch()
+
+
+def _on_sigint(signum, frame):
+    _SIGINT.pending = True
+    signal.default_int_handler(signum, frame)
+
+
+def watch_interrupts() -> None:
+    """A block begins (see :class:`_SigintWatch`); pair with :func:`unwatch_interrupts`."""
+    with _SIGINT.lock:
+        _SIGINT.depth += 1
+        if _SIGINT.depth > 1 or threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                signal.signal(signal.SIGINT, _on_sigint)
+                _SIGINT.installed = True
+        except Exception:  # noqa: BLE001 - an embedded interpreter may not allow it: watch nothing
+            pass
+
+
+def unwatch_interrupts(exc: Optional[BaseException]) -> Optional[KeyboardInterrupt]:
+    """A block ends: the interrupt to raise in place of ``exc`` (or after a
+    clean exit, one whose ``KeyboardInterrupt`` Python dropped), or None."""
+    with _SIGINT.lock:
+        _SIGINT.depth = max(0, _SIGINT.depth - 1)
+        if _SIGINT.depth == 0 and _SIGINT.installed:
+            _SIGINT.installed = False
+            try:
+                if signal.getsignal(signal.SIGINT) is _on_sigint:
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+            except Exception:  # noqa: BLE001
+                pass
+        lost = _SIGINT.pending and _SIGINT.depth == 0
+        if _SIGINT.depth == 0:
+            _SIGINT.pending = False
+    if isinstance(exc, KeyboardInterrupt):
+        return None
+    interrupt = interrupt_of(exc)
+    return interrupt if interrupt is not None or exc is not None or not lost else KeyboardInterrupt()
+
+
+def raise_lost_interrupt() -> None:
+    """At a hop: raise a Ctrl-C whose ``KeyboardInterrupt`` Python dropped."""
+    if _SIGINT.pending:
+        _SIGINT.pending = False
+        raise KeyboardInterrupt
 
 
 def interrupt_of(exc: Optional[BaseException]) -> Optional[KeyboardInterrupt]:

@@ -7,7 +7,7 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 
 from . import _seam
 from ._collectors import FlightRecorder
-from ._host import interrupt_of
+from ._host import unwatch_interrupts, watch_interrupts
 from ._lens import _REGISTRY, SiteIndex, interception_unavailable
 from ._toolkit import warn_unmatched
 from ._options import Config, PrimTap
@@ -56,6 +56,7 @@ class TapContext:
         if self._times is not None:
             self._times.new_run()
         _REGISTRY.push(self)
+        watch_interrupts()
         return self.recorder
 
     def __exit__(self, exc_type, exc, tb):
@@ -68,9 +69,9 @@ class TapContext:
         finally:
             self._active = False
             _REGISTRY.remove(self, self._thread)
+            interrupt = unwatch_interrupts(exc)
         if self._plan.prim_taps and self._names_seen:
             warn_unmatched(self._plan.prim_taps, self._names_seen)
-        interrupt = interrupt_of(exc)
         if interrupt is not None:  # a Ctrl-C stopped the run: say it as Python would
             raise interrupt from exc
         return False

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._host import describe, pass_interrupt, warn_once_now
+from .._host import describe, pass_interrupt, raise_lost_interrupt, warn_once_now
 from .versions import internal
 
 __all__ = ["host_callback", "FAST_HOST_CALLBACK", "to_bytes"]
@@ -89,6 +89,7 @@ def _call(fn, args, cpu_default):
     if not _PINNED.done:
         _pin_thread()
     try:
+        raise_lost_interrupt()
         if cpu_default:  # a user consumer's jnp calls must not queue work on the waiting accelerator
             with jax.default_device(jax.local_devices(backend="cpu")[0]):
                 fn(*args)

@@ -96,8 +96,9 @@ def unwatch_interrupts(exc: Optional[BaseException]) -> Optional[KeyboardInterru
             _SIGINT.pending = False
     if isinstance(exc, KeyboardInterrupt):
         return None
-    interrupt = interrupt_of(exc)
-    return interrupt if interrupt is not None or exc is not None or not lost else KeyboardInterrupt()
+    if exc is None:
+        return KeyboardInterrupt() if lost else None  # (Python dropped it: say it now)
+    return interrupt_of(exc)
 
 
 def raise_lost_interrupt() -> None:

@@ -10,7 +10,8 @@ from ._collectors import FlightRecorder
 from ._emit import TapSelectError
 from ._event import TapEvent
 from ._host import TapWarning
-from ._jsonl import JSONLWriter, iter_jsonl, read_jsonl, read_jsonl_columns
+from ._jsonl import JSONLWriter
+from ._jsonl_read import iter_jsonl, read_jsonl, read_jsonl_columns
 from ._record import TapContext, emergency_restore, record
 from ._toolkit import on, primitives, print, watch_nan  # noqa: A004
 from ._verbose import verbose

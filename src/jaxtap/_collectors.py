@@ -1,4 +1,4 @@
-"""Collectors: the in-memory FlightRecorder (with ``.df()``); JSONL files are in ``_jsonl``."""
+"""Collectors: the in-memory FlightRecorder (with ``.df()``); JSONL files are in ``_jsonl`` (writer) and ``_jsonl_read``."""
 from __future__ import annotations
 
 import collections

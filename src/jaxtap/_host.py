@@ -14,6 +14,7 @@ import threading
 import warnings
 from typing import Any, Callable, Optional
 
+import jax
 import numpy as np
 
 from ._event import TapEvent
@@ -108,15 +109,17 @@ def raise_lost_interrupt() -> None:
         raise KeyboardInterrupt
 
 
+# the error XLA raises for a host callback that raised (public API: outside the seam)
+_RUNTIME_ERROR = jax.errors.JaxRuntimeError
+
+
 def interrupt_of(exc: Optional[BaseException]) -> Optional[KeyboardInterrupt]:
     """The ``KeyboardInterrupt`` a block raises in place of ``exc``, the
     runtime error XLA reports for a Ctrl-C that stopped a host callback
     (jax-tap's or the user's own ``jax.debug.callback``); None otherwise."""
     if exc is None or not isinstance(exc, Exception) or "KeyboardInterrupt" not in type(exc).__name__ + str(exc):
         return None
-    if not any(c.__name__ in ("JaxRuntimeError", "XlaRuntimeError") for c in type(exc).__mro__):
-        return None
-    return KeyboardInterrupt()
+    return KeyboardInterrupt() if isinstance(exc, _RUNTIME_ERROR) else None
 
 
 def describe(exc: BaseException) -> str:

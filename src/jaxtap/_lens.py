@@ -35,7 +35,8 @@ from ._host import Guard, interrupt_of, warn_once_now
 from . import _loops  # noqa: F401 - registers the scan and while rules
 from ._routing import Router
 from ._rules import RULES
-from ._transform import SiteIndex, Sinks, Walker, handler_for, tappable_names
+from ._scope import SiteIndex
+from ._transform import Sinks, Walker, handler_for, tappable_names
 
 _LOOPS = _seam.LOOP_PRIMITIVES  # intercepted whenever a block is active
 _seam.check_at_import()  # one warning at import on a JAX outside the tested range

@@ -19,7 +19,8 @@ from ._cotangents import cotangent_view
 from ._emit import Block, Buffer, Side, emit
 from ._rules import bind as _bind, bool_aval as _bool_aval, both as _both, int32_aval as _int32_aval, one as _one
 from ._rules import observed, register
-from ._transform import Counter, interpret
+from ._scope import Counter
+from ._transform import interpret
 
 
 @register(_seam.scan_p)

@@ -29,7 +29,7 @@ from typing import Optional
 from . import _seam
 from ._event import TapEvent
 from ._host import _say
-from ._transform import Counter
+from ._scope import Counter
 
 _PHASES = {_seam.monitor.TRACE_SPAN: "trace", _seam.monitor.LOWER_SPAN: "lower",
            _seam.monitor.COMPILE_SPAN: "compile"}

@@ -1,0 +1,97 @@
+"""Addressing: where the walk is, and the numbers in a loop's path.
+
+See README, "Addresses":
+
+* a segment is ``name[index]``; loops are ``scan`` / ``while``, primitive
+  taps use the primitive's name, ``jit`` marks a jitted function *inside* a
+  loop body;
+* inside a loop body, indices count occurrences of that name in the body,
+  in program order; ``cond``/``switch`` branches, ``jax.checkpoint`` and
+  ``custom_jvp``/``custom_vjp`` bodies are transparent (they continue the
+  count of the body that holds them);
+* outside any loop, jits are transparent too, and an index is the order in
+  which *distinct source lines* first appear, so the same loop gets the same
+  address on every call and in both the wrapping and the with-form.
+"""
+from __future__ import annotations
+
+
+class SiteIndex:
+    """Top-level addressing: one index per distinct source site, per name."""
+
+    def __init__(self):
+        self._by_site: dict = {}
+        self._next: dict = {}
+
+    def index(self, name, site):
+        key = (name, site)
+        if key not in self._by_site:
+            n = self._next.get(name, 0)
+            self._by_site[key] = n
+            self._next[name] = n + 1
+        return self._by_site[key]
+
+
+class Counter:
+    """Nested addressing: indices count occurrences in program order."""
+
+    def __init__(self):
+        self._next: dict = {}
+
+    def index(self, name, site):
+        n = self._next.get(name, 0)
+        self._next[name] = n + 1
+        return n
+
+    def save(self):
+        return dict(self._next)
+
+    def restore(self, saved):
+        self._next = dict(saved)
+
+
+class Scope:
+    """Where the walk is: address prefix, numbering, innermost loop's step."""
+
+    __slots__ = ("prefix", "counter", "in_loop", "step", "total", "top", "differentiable", "side", "lane_running",
+                 "backward", "sample_offset", "provisional")
+
+    def __init__(self, prefix, counter, in_loop, step, total, top=None, differentiable=True, side=None):
+        self.prefix = prefix
+        self.counter = counter
+        self.in_loop = in_loop
+        self.step = step  # traced int32 of the innermost loop, or None
+        self.total = total
+        self.top = top  # (name, site) of the outermost segment of `prefix`
+        # False inside a runner, which JAX never differentiates: taps there may
+        # use the vmap-aware single hop (it has no transpose rule)
+        self.differentiable = differentiable
+        # a Side collecting buffered primitive-tap values of this trace (set
+        # by a buffered loop's step and by sub-traces that export to it)
+        self.side = side
+        # a while body's own predicate: under vmap, lanes that have finished
+        # still run the body, and their primitive taps must stay silent
+        self.lane_running = None
+        # the innermost loop is a backward loop (cotangent taps): its step
+        # counter k is forward step total-1-k, and its events say so
+        self.backward = False
+        self.sample_offset = 0  # a backward loop's: its sampled counters are offset, offset + k, ...
+        # in a custom_jvp/custom_vjp body: its top-level index is fixed only
+        # when its events arrive (_routing.Router), so `where` is asked there
+        self.provisional = False
+
+    def address(self, name, site):
+        """(path, top) of the next `name` node at this level."""
+        seg = f"{name}[{self.counter.index(name, site)}]"
+        if self.prefix:
+            return f"{self.prefix}/{seg}", self.top
+        # (a provisional top says so: the host asks `where` of its final path)
+        return seg, ((name, site, "provisional") if self.provisional else (name, site))
+
+    def child(self, prefix, counter, step, total, top, in_loop=True, differentiable=None, side=None, backward=None):
+        child = Scope(prefix, counter, in_loop, step, total, top,
+                      self.differentiable if differentiable is None else differentiable, side)
+        child.backward = self.backward if backward is None else backward
+        child.sample_offset = self.sample_offset if backward is None else 0
+        child.provisional = self.provisional
+        return child

@@ -135,8 +135,15 @@ def call_closed(closed, args):
     eval_jaxpr_p = _eval_jaxpr_mod.eval_jaxpr_p
     # JAX >= 0.11 made eval_jaxpr the one call primitive (closed_call_p is
     # it), parameterized like every call by ``call_jaxpr``
-    key = "call_jaxpr" if eval_jaxpr_p is closed_call_p else "jaxpr"
-    return list(eval_jaxpr_p.bind(*args, **{key: closed}))
+    if eval_jaxpr_p is closed_call_p:
+        return list(eval_jaxpr_p.bind(*args, call_jaxpr=closed))
+    if jax.config.jax_enable_checks:
+        # JAX 0.10: under vmap, a while body holding eval_jaxpr restages it as
+        # a closed_call that JAX's own checker rejects (its `name` param);
+        # the equations inline instead (XLA inlines the call either way)
+        with quiet():
+            return list(jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args))
+    return list(eval_jaxpr_p.bind(*args, jaxpr=closed))
 
 
 def any_lane(pred):

@@ -122,6 +122,18 @@ def interrupt_of(exc: Optional[BaseException]) -> Optional[KeyboardInterrupt]:
     return KeyboardInterrupt() if isinstance(exc, _RUNTIME_ERROR) else None
 
 
+def explain(exc: Optional[BaseException]) -> None:
+    """Add a note naming the fix to an error a block caused by design: a
+    program traced inside a block holds jax-tap's host callbacks, which
+    ``jax.export`` (JAX's "serialization of host_callbacks") cannot save."""
+    try:
+        if isinstance(exc, NotImplementedError) and "host_callback" in str(exc):
+            exc.add_note("jax-tap: this program was traced inside a tap.record/verbose block, so it holds "
+                         "jax-tap's host callbacks: call jax.export outside the block.")
+    except Exception:  # noqa: BLE001 - a note is a courtesy
+        pass
+
+
 def describe(exc: BaseException) -> str:
     """``"Type: message"`` of an exception, even one whose ``__str__`` raises."""
     try:

@@ -31,7 +31,7 @@ import jax
 
 from . import _seam
 from ._emit import TapSelectError, shard_mode
-from ._host import Guard, interrupt_of, warn_once_now
+from ._host import Guard, explain, interrupt_of, warn_once_now
 from . import _loops  # noqa: F401 - registers the scan and while rules
 from ._routing import Router
 from ._rules import RULES
@@ -102,6 +102,7 @@ class CallScope:
     def __exit__(self, exc_type, exc, tb):
         _REGISTRY.remove(self, self._thread)
         interrupt = interrupt_of(exc)
+        explain(exc)
         if interrupt is not None:  # a Ctrl-C stopped the run (see _host.pass_interrupt)
             raise interrupt from exc
         return False

@@ -7,7 +7,7 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 
 from . import _seam
 from ._collectors import FlightRecorder
-from ._host import unwatch_interrupts, watch_interrupts
+from ._host import explain, unwatch_interrupts, watch_interrupts
 from ._lens import _REGISTRY, SiteIndex, interception_unavailable
 from ._toolkit import warn_unmatched
 from ._options import Config, PrimTap
@@ -70,6 +70,7 @@ class TapContext:
             self._active = False
             _REGISTRY.remove(self, self._thread)
             interrupt = unwatch_interrupts(exc)
+            explain(exc)
         if self._plan.prim_taps and self._names_seen:
             warn_unmatched(self._plan.prim_taps, self._names_seen)
         if interrupt is not None:  # a Ctrl-C stopped the run: say it as Python would

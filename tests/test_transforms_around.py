@@ -89,3 +89,58 @@ def test_jax_debug_nans_raises_as_untapped_and_events_repeat_per_rerun():
                 jax.jit(f)(xs)
     steps = [e.step for e in rec.events]
     assert steps and len(steps) % 4 == 0 and steps == list(range(4)) * (len(steps) // 4)
+
+
+def _ref_while(x):
+    r = jax.new_ref(jnp.zeros(()))
+
+    def body(c):
+        r[...] += c
+        return c + 1.0
+    lax.while_loop(lambda c: c < 4.0, body, x)
+    return r[...]
+
+
+def _ref_made_in_a_scan(x):
+    def outer(c, _):
+        r = jax.new_ref(c)
+
+        def body(i):
+            r[...] = r[...] * 0.5 + 1.0
+            return i + 1
+        lax.while_loop(lambda i: i < 3, body, 0)
+        return r[...], c
+    return lax.scan(outer, x, None, length=4)
+
+
+def _run_state_scan(x):
+    from jax._src.state.discharge import run_state  # (no public name yet)
+
+    def f(refs):
+        (a,) = refs
+
+        def body(i, _):
+            a[...] = a[...] + i
+            return i + 1.0, None
+        lax.scan(body, 0.0, None, length=3)
+    return run_state(f)((x,))
+
+
+@pytest.mark.parametrize("form", ["jit", "eager"])
+@pytest.mark.parametrize("prog", [_ref_while, _ref_made_in_a_scan, _run_state_scan])
+def test_a_loop_that_uses_a_ref_runs_untapped_with_one_warning(prog, form):
+    """A loop over a JAX Ref (jax.new_ref, run_state) is not tapped: under
+    jit it failed at lowering ("No state discharge rule ... custom_jvp_call").
+    A loop after it keeps its address and is tapped."""
+    def program(x):
+        out = prog(x)
+        return out, lax.scan(lambda c, _: (c * 0.5, None), x, None, length=3)[0]
+    f = jax.jit(program) if form == "jit" else program
+    plain = f(jnp.float32(1.0))
+    with pytest.warns(tap.TapWarning, match="uses a JAX Ref") as caught:
+        with tap.record() as rec:
+            out = f(jnp.float32(1.0))
+    assert_bits(out, plain)
+    assert len([w for w in caught if "Ref" in str(w.message)]) == 1
+    assert {e.path for e in rec.events} == {"scan[1]" if prog is not _ref_while else "scan[0]"}
+    assert len(rec) == 3

@@ -451,16 +451,16 @@ def _intercept(prim, handler, ctx, args, params):
     # no number until their events arrive (_routing.Router); others, program order
     provisional = _seam.in_custom_body_trace(ctx.barrier)
     path = None
+    kind = "scan" if prim is _seam.scan_p else "while"
     if not provisional:
-        kind = "scan" if prim is _seam.scan_p else "while"
         info = _seam.backward_info(params) if ctx._plan.backward and kind == "scan" else None
         key = _seam.loop_site(prim, params, site) if info is None else info.forward_site  # a backward twin's
         path = f"{kind}[{ctx._sites.index(kind, key)}]"
     times = getattr(ctx, "_times", None)
     if times is not None and times.trace_events:
         _trace_event(times, path, prim, params, site)
-    if not ctx._plan.rewrites:
-        return _seam.bind_original(prim, args, params)  # time taps only: the loop as it is
+    if not ctx._plan.rewrites or _loops.refs_untapped(prim, params, args):
+        return _seam.bind_original(prim, args, params)  # time taps only (or Refs): the loop as it is
     with _seam.quiet():
         try:
             ctx._names_seen.update(tappable_names(_seam.loop_body(prim, params).jaxpr))

@@ -17,6 +17,7 @@ from jax import lax
 from . import _seam
 from ._cotangents import cotangent_view
 from ._emit import Block, Buffer, Side, emit
+from ._host import warn_once_now
 from ._rules import bind as _bind, bool_aval as _bool_aval, both as _both, int32_aval as _int32_aval, one as _one
 from ._rules import observed, register
 from ._scope import Counter
@@ -35,7 +36,20 @@ def handle_scan(walker, eqn, params, invals, scope, site):
     scan, and the driver runs on gradient-stopped inputs for the events.
     """
     scan = _ScanRewrite(walker, eqn, params, scope, site)
+    if refs_untapped(_seam.scan_p, params, invals):
+        return scan.plain(list(invals))
     return scan.strategy()(list(invals))
+
+
+def refs_untapped(prim, params, args) -> bool:
+    """A loop that uses JAX Refs runs untapped, with one warning (the tapped
+    form wraps the loop in calls JAX cannot discharge state through)."""
+    if not _seam.holds_refs(prim, params, args):
+        return False
+    kind = "scan" if prim is _seam.scan_p else "while"
+    warn_once_now(f"jax-tap: a {kind} loop that uses a JAX Ref (jax.new_ref, run_state) is not tapped; "
+                  "it ran untapped.")
+    return True
 
 
 class _ScanRewrite:
@@ -487,7 +501,7 @@ def handle_while(walker, eqn, params, invals, scope, site):
     path, top = scope.address("while", _seam.loop_site(_seam.while_p, params, site))
     wants = walker.loop_wants("while", path, scope.provisional)
     emits = any(wants)
-    if not emits and not walker.needs(body.jaxpr):
+    if (not emits and not walker.needs(body.jaxpr)) or refs_untapped(_seam.while_p, params, invals):
         return _bind(eqn, _seam.while_p, invals, params)
 
     def plain(*args):

@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from .eqns import ClosedJaxpr, Tracer, closed_call_p, hi_call_p, impl_of, loop_scope
+from .eqns import ClosedJaxpr, Tracer, closed_call_p, hi_call_p, impl_of, loop_body, loop_scope
 from .stack import quiet
 from .versions import internal
 
@@ -31,6 +31,7 @@ __all__ = [
     "optimization_barrier",
     "abstractify",
     "is_array_like",
+    "holds_refs",
     "effects_barrier",
     "hi_expansion",
     "impl_expansion",
@@ -43,6 +44,7 @@ _source_info = internal("jax._src.source_info_util")
 _scan_loops = internal("jax._src.lax.control_flow.loops")
 _slicing = internal("jax._src.lax.slicing")
 _eval_jaxpr_mod = internal("jax._src.lax.eval_jaxpr")
+_state_types = internal("jax._src.state.types")
 
 # What a compiled program raises while it runs (a host callback that raised,
 # a runtime check): the program's own failure, never a rewrite's.
@@ -162,6 +164,28 @@ def optimization_barrier(x):
 
 def abstractify(x):
     return _core.shaped_abstractify(x)
+
+
+def holds_refs(prim, params, values) -> bool:
+    """Does a loop use mutable array references (``jax.new_ref``,
+    ``run_state``): an operand that is one, or a body that makes or touches
+    one? JAX cannot discharge state through the wrappers a tapped loop is
+    made of."""
+    ref = getattr(_state_types, "AbstractRef", None)
+    if ref is None:
+        return False
+    state = tuple(c for c in (getattr(_state_types, "RefEffect", None),
+                              getattr(_core, "InternalMutableArrayEffect", None)) if c is not None)
+    body = loop_body(prim, params)
+    if any(isinstance(e, state) for e in getattr(body, "effects", None) or body.jaxpr.effects):
+        return True
+    for v in values:
+        try:
+            if isinstance(jax.typeof(v), ref):
+                return True
+        except Exception:  # noqa: BLE001 - not a JAX value: not a reference
+            pass
+    return False
 
 
 def is_array_like(x) -> bool:

@@ -707,6 +707,20 @@ def test_primitives_lists_only_what_a_tap_can_reach():
     assert any("'dot_general' matched nothing" in str(x.message) for x in w)
 
 
+def test_the_matched_nothing_hint_names_only_the_users_primitives():
+    """A jit traced in the block holds jax-tap's own loops and hops; the hint
+    listing what the program has must not name them (jaxtap_callback, ...)."""
+    g = jax.jit(lambda x: jax.lax.scan(lambda c, y: (c * y, None), x, x)[0])
+    x = jnp.ones(3)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with tap.record(taps=[tap.on("div")]):
+            g(x)
+            jax.jit(lambda x: g(x) + 1)(x)
+    (hint,) = [str(m.message) for m in w if "matched nothing" in str(m.message)]
+    assert "mul" in hint and "jaxtap" not in hint and "custom_jvp_call" not in hint, hint
+
+
 def test_a_tap_on_an_output_the_primitive_lacks_is_a_clear_error_in_both_forms():
     a = jnp.eye(3, dtype=jnp.float32) * 2.0
 

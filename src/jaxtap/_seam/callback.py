@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._host import describe, pass_interrupt, raise_lost_interrupt, warn_once_now
+from .eqns import BYTES_NAME, HOP_NAME
 from .versions import internal
 
 __all__ = ["host_callback", "FAST_HOST_CALLBACK", "to_bytes"]
@@ -132,7 +133,7 @@ def _sharding(ctx):
 def _build():
     """The ``jaxtap_callback`` primitive with its rules, or None on a JAX that
     lacks one of the internals it needs."""
-    hop_p = _core.Primitive("jaxtap_callback")
+    hop_p = _core.Primitive(HOP_NAME)
     hop_p.multiple_results = True
     effect = _debugging.debug_effect
 
@@ -213,7 +214,7 @@ def _build_bytes():
     feed the hop, so their cotangent is always zero. Same lowering, same
     program.
     """
-    bytes_p = _core.Primitive("jaxtap_bytes")
+    bytes_p = _core.Primitive(BYTES_NAME)
 
     def bitcast(x):
         return jax.lax.bitcast_convert_type(x, jnp.uint8)

@@ -349,6 +349,11 @@ def is_inexact(dtype) -> bool:
         return False
 
 
+# jax-tap's own primitives (.callback): never a name the user's program has
+HOP_NAME, BYTES_NAME = "jaxtap_callback", "jaxtap_bytes"
+OWN_PRIMITIVE_NAMES = frozenset((HOP_NAME, BYTES_NAME))
+
+
 def collect_names(jaxpr, out=None, into=None) -> dict:
     """Primitive name -> count, including the jaxprs nested in equations
     named in ``into`` (every nested jaxpr when None) and the expansions of
@@ -356,7 +361,9 @@ def collect_names(jaxpr, out=None, into=None) -> dict:
     out = {} if out is None else out
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        out[name] = out.get(name, 0) + 1
+        # a program traced in a block holds our loops and hops: not the user's
+        if name not in OWN_PRIMITIVE_NAMES and staged_by_us(eqn) is None:
+            out[name] = out.get(name, 0) + 1
         if into is None or name in into or impl_of(eqn.primitive) is not None:
             for sub in subjaxprs_of(eqn.params, eqn):
                 collect_names(sub, out, into)

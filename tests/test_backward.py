@@ -197,6 +197,33 @@ def test_checkpointed_body_recomputed_forward_is_not_a_second_forward_pass(where
                                              ("scan[0]", "cotangent"): 4, ("scan[0]/scan[0]", "cotangent"): 12}
 
 
+def _nest2(c):
+    return jax.lax.scan(lambda c, _: (jnp.sin(c) * 0.9, None), c, None, length=3)[0]
+
+
+def _nest1(c):
+    return jax.lax.scan(lambda c, _: (_nest2(c) * 1.1, None), c, None, length=2)[0]
+
+
+def _deep_ckpt_loss(x):
+    return jax.lax.scan(jax.checkpoint(lambda c, _: (_nest1(c), None)), x, None, length=4)[0].sum()
+
+
+@pytest.mark.parametrize("form", ["eager", "jit"])
+def test_forward_loops_recomputed_at_any_depth_are_not_a_second_forward_pass(form):
+    """A checkpointed step recomputes a nest two loops deep inside the backward
+    step: neither depth is reported as forward carry again (the second level
+    was, doubling its events; found with diffrax's DirectAdjoint)."""
+    g = jax.grad(_deep_ckpt_loss) if form == "eager" else jax.jit(jax.grad(_deep_ckpt_loss))
+    x = jnp.ones(3, jnp.float32)
+    ref = g(x)
+    with tap.record(backward=True) as rec:
+        got = sync(g(x))
+    assert_bits(ref, got)
+    forward = {("scan[0]", "carry"): 4, ("scan[0]/scan[0]", "carry"): 8, ("scan[0]/scan[0]/scan[0]", "carry"): 24}
+    assert _by_path_and_kind(rec.events) == {**forward, **{(p, "cotangent"): n for (p, _), n in forward.items()}}
+
+
 def test_without_the_option_backward_loops_are_loops_of_their_own():
     with tap.record() as rec:
         sync(jax.grad(loss)(W, XS))

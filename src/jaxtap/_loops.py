@@ -78,7 +78,7 @@ class _ScanRewrite:
                 _seam.note_loop_as_written(params, site)  # (per lane under vmap: its backward twin's lanes)
             # a forward loop recomputed in a backward step (jax.checkpoint) is
             # not a second forward pass
-            self.wants = (False, False) if scope.backward else walker.loop_wants("scan", self.path,
+            self.wants = (False, False) if scope.recomputing else walker.loop_wants("scan", self.path,
                                                                                  scope.provisional)
         self.emits = any(self.wants)
         plan = walker.plan
@@ -499,7 +499,8 @@ def handle_while(walker, eqn, params, invals, scope, site):
     """
     cond, cnc, body, bnc = _seam.while_parts(params)
     path, top = scope.address("while", _seam.loop_site(_seam.while_p, params, site))
-    wants = walker.loop_wants("while", path, scope.provisional)
+    # a forward loop recomputed in a backward step is not a second forward pass
+    wants = (False, False) if scope.recomputing else walker.loop_wants("while", path, scope.provisional)
     emits = any(wants)
     if (not emits and not walker.needs(body.jaxpr)) or refs_untapped(_seam.while_p, params, invals):
         return _bind(eqn, _seam.while_p, invals, params)

@@ -54,7 +54,7 @@ class Scope:
     """Where the walk is: address prefix, numbering, innermost loop's step."""
 
     __slots__ = ("prefix", "counter", "in_loop", "step", "total", "top", "differentiable", "side", "lane_running",
-                 "backward", "sample_offset", "provisional")
+                 "backward", "recomputing", "sample_offset", "provisional")
 
     def __init__(self, prefix, counter, in_loop, step, total, top=None, differentiable=True, side=None):
         self.prefix = prefix
@@ -75,6 +75,9 @@ class Scope:
         # the innermost loop is a backward loop (cotangent taps): its step
         # counter k is forward step total-1-k, and its events say so
         self.backward = False
+        # inside a backward loop's step, at any depth: forward loops here
+        # recompute the forward pass and are never reported as a second one
+        self.recomputing = False
         self.sample_offset = 0  # a backward loop's: its sampled counters are offset, offset + k, ...
         # in a custom_jvp/custom_vjp body: its top-level index is fixed only
         # when its events arrive (_routing.Router), so `where` is asked there
@@ -92,6 +95,7 @@ class Scope:
         child = Scope(prefix, counter, in_loop, step, total, top,
                       self.differentiable if differentiable is None else differentiable, side)
         child.backward = self.backward if backward is None else backward
+        child.recomputing = self.recomputing or bool(backward)
         child.sample_offset = self.sample_offset if backward is None else 0
         child.provisional = self.provisional
         return child

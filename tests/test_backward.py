@@ -224,6 +224,32 @@ def test_forward_loops_recomputed_at_any_depth_are_not_a_second_forward_pass(for
     assert _by_path_and_kind(rec.events) == {**forward, **{(p, "cotangent"): n for (p, _), n in forward.items()}}
 
 
+@jax.custom_vjp
+def _halve(x):
+    return x * 0.5
+
+
+def _halve_bwd(_, g):  # a user's own backward-only iterative solver
+    return (jax.lax.while_loop(lambda c: c[1] < 4, lambda c: (c[0] * 0.5 + g * 0.1, c[1] + 1), (g, 0))[0],)
+
+
+_halve.defvjp(lambda x: (_halve(x), None), _halve_bwd)
+
+
+def test_a_custom_vjp_bwd_loop_inside_a_backward_step_is_reported():
+    """Only recomputations of the forward pass are silenced in a backward step:
+    a custom_vjp's own bwd while loop there is reported (4 steps x 3)."""
+    loss = jax.jit(jax.grad(lambda x: jax.lax.scan(lambda c, _: (jnp.sin(_halve(c)), None), x, None,
+                                                   length=3)[0].sum()))
+    x = jnp.arange(3.0, dtype=jnp.float32)
+    ref = loss(x)
+    with tap.record(backward=True) as rec:
+        got = sync(loss(x))
+    assert_bits(ref, got)
+    assert _by_path_and_kind(rec.events) == {("scan[0]", "carry"): 3, ("scan[0]", "cotangent"): 3,
+                                             ("scan[0]/while[0]", "carry"): 12}
+
+
 def test_without_the_option_backward_loops_are_loops_of_their_own():
     with tap.record() as rec:
         sync(jax.grad(loss)(W, XS))

@@ -142,5 +142,27 @@ def test_a_loop_that_uses_a_ref_runs_untapped_with_one_warning(prog, form):
             out = f(jnp.float32(1.0))
     assert_bits(out, plain)
     assert len([w for w in caught if "Ref" in str(w.message)]) == 1
-    assert {e.path for e in rec.events} == {"scan[1]" if prog is not _ref_while else "scan[0]"}
+    after = "scan[1]" if prog is not _ref_while else "scan[0]"
+    assert {e.path for e in rec.events} == {after}
     assert len(rec) == 3
+    with tap.record(where=lambda p: p == after and form) as rec:  # `where` sees the same address
+        f(jnp.float32(1.0))  # (`and form`: see test_lifecycle's equal-options xfail)
+    assert {e.path for e in rec.events} == {after} and len(rec) == 3
+
+
+def test_a_ref_made_in_a_while_cond_and_a_ref_loop_where_excludes():
+    def f(x):
+        def cond(c):
+            r = jax.new_ref(c)
+            return r[...] < 4.0
+        return lax.while_loop(cond, lambda c: c + 1.0, x)
+    plain = jax.jit(f)(jnp.float32(1.0))
+    with pytest.warns(tap.TapWarning, match="uses a JAX Ref"):
+        with tap.record() as rec:
+            out = jax.jit(f)(jnp.float32(1.0))
+    assert_bits(out, plain) and len(rec) == 0
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tap.TapWarning)  # excluded by where: nothing to say
+        with tap.record(where=lambda p: p == "scan[0]"):
+            jax.jit(_ref_made_in_a_scan)(jnp.float32(1.0))

@@ -127,7 +127,8 @@ def explain(exc: Optional[BaseException]) -> None:
     program traced inside a block holds jax-tap's host callbacks, which
     ``jax.export`` (JAX's "serialization of host_callbacks") cannot save."""
     try:
-        if isinstance(exc, NotImplementedError) and "host_callback" in str(exc):
+        if (isinstance(exc, NotImplementedError) and "host_callback" in str(exc)
+                and not any("jax-tap" in n for n in getattr(exc, "__notes__", ()))):
             exc.add_note("jax-tap: this program was traced inside a tap.record/verbose block, so it holds "
                          "jax-tap's host callbacks: call jax.export outside the block.")
     except Exception:  # noqa: BLE001 - a note is a courtesy

@@ -459,8 +459,8 @@ def _intercept(prim, handler, ctx, args, params):
     times = getattr(ctx, "_times", None)
     if times is not None and times.trace_events:
         _trace_event(times, path, prim, params, site)
-    if not ctx._plan.rewrites or _loops.refs_untapped(prim, params, args):
-        return _seam.bind_original(prim, args, params)  # time taps only (or Refs): the loop as it is
+    if not ctx._plan.rewrites:
+        return _seam.bind_original(prim, args, params)  # time taps only: the loop as it is
     with _seam.quiet():
         try:
             ctx._names_seen.update(tappable_names(_seam.loop_body(prim, params).jaxpr))

@@ -36,7 +36,7 @@ def handle_scan(walker, eqn, params, invals, scope, site):
     scan, and the driver runs on gradient-stopped inputs for the events.
     """
     scan = _ScanRewrite(walker, eqn, params, scope, site)
-    if refs_untapped(_seam.scan_p, params, invals):
+    if (scan.emits or walker.needs(scan.body.jaxpr)) and refs_untapped(_seam.scan_p, params, invals):
         return scan.plain(list(invals))
     return scan.strategy()(list(invals))
 
@@ -78,7 +78,10 @@ class _ScanRewrite:
                 _seam.note_loop_as_written(params, site)  # (per lane under vmap: its backward twin's lanes)
             # a forward loop recomputed in a backward step (jax.checkpoint) is
             # not a second forward pass
-            self.wants = (False, False) if scope.recomputing else walker.loop_wants("scan", self.path,
+            # (deeper in a backward step: a scan from the forward pass's site and
+            # carry recomputes it; another, a custom_vjp's own bwd loop, is reported)
+            recomputed = scope.backward or (scope.recomputing and _seam.written_before(params, site))
+            self.wants = (False, False) if recomputed else walker.loop_wants("scan", self.path,
                                                                                  scope.provisional)
         self.emits = any(self.wants)
         plan = walker.plan
@@ -499,8 +502,7 @@ def handle_while(walker, eqn, params, invals, scope, site):
     """
     cond, cnc, body, bnc = _seam.while_parts(params)
     path, top = scope.address("while", _seam.loop_site(_seam.while_p, params, site))
-    # a forward loop recomputed in a backward step is not a second forward pass
-    wants = (False, False) if scope.recomputing else walker.loop_wants("while", path, scope.provisional)
+    wants = walker.loop_wants("while", path, scope.provisional)
     emits = any(wants)
     if (not emits and not walker.needs(body.jaxpr)) or refs_untapped(_seam.while_p, params, invals):
         return _bind(eqn, _seam.while_p, invals, params)

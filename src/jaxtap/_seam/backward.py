@@ -28,7 +28,8 @@ from .eqns import scan_p, scan_parts
 from .stack import bound_by_transpose, current_site, loop_site
 from .versions import internal
 
-__all__ = ["BackwardInfo", "backward_info", "note_backward_bind", "note_loop_as_written", "install_backward_rules",
+__all__ = ["BackwardInfo", "backward_info", "note_backward_bind", "note_loop_as_written", "written_before",
+           "install_backward_rules",
            "uninstall_backward_rules", "backward_rules_installed"]
 
 _ad = internal("jax._src.interpreters.ad")
@@ -302,6 +303,17 @@ def _tangent_dtype(aval):
         return aval.to_tangent_aval().dtype
     except Exception:  # noqa: BLE001
         return aval.dtype
+
+
+def written_before(params, site) -> bool:
+    """Was a scan from this site with this carry written in a forward pass?
+    (Inside a backward step such a scan recomputes it.)"""
+    try:
+        body, nc, ncar, _ = scan_parts(params)
+        with _lock:
+            return _written.get(_unflagged(site)) == tuple(body.in_avals[nc:nc + ncar])
+    except Exception:  # noqa: BLE001 - unknown: not a recomputation
+        return False
 
 
 def backward_info(params) -> Optional[BackwardInfo]:

@@ -176,9 +176,10 @@ def holds_refs(prim, params, values) -> bool:
         return False
     state = tuple(c for c in (getattr(_state_types, "RefEffect", None),
                               getattr(_core, "InternalMutableArrayEffect", None)) if c is not None)
-    body = loop_body(prim, params)
-    if any(isinstance(e, state) for e in getattr(body, "effects", None) or body.jaxpr.effects):
-        return True
+    for body in (loop_body(prim, params), params.get("cond_jaxpr")):
+        if body is not None and any(isinstance(e, state) for e in getattr(body, "effects", None) or
+                                    body.jaxpr.effects):
+            return True
     for v in values:
         try:
             if isinstance(jax.typeof(v), ref):

@@ -32,7 +32,7 @@ from jax.lax import scan as scan_imported_before  # bound before any block exist
 import jaxtap as tap
 from jaxtap import _emit, _record, _seam
 from jaxtap._lens import snapshot
-from taputil import run_python
+from taputil import assert_bits, run_python
 
 SCAN_P = jex.core.primitives.scan_p
 WHILE_P = jex.core.primitives.while_p
@@ -1125,16 +1125,37 @@ def test_an_eager_loop_that_fails_while_running_runs_once(form):
     assert calls == expected == [0.0, 0.0, 1.0, 3.0, 6.0]
 
 
-@pytest.mark.xfail(strict=True, reason="known bug (2026-12-05, not yet diagnosed): after a block whose jitted "
-                   "program was tapped, a block with equal options and a `where` records nothing from eager loops")
 def test_equal_options_a_jit_block_then_an_eager_block_with_where():
+    """Blocks with equal options share one walker, which numbers top-level
+    loops for all of them; a block's own numbering can differ (an eager loop
+    has a site of its own). `where` then asks the block's address on the
+    host: the eager block recorded nothing before (it was asked "scan[2]")."""
     def program(x):
-        return jax.lax.scan(lambda c, _: (c * 0.5, None), x, None, length=3)[0]
+        a = jax.lax.scan(lambda c, _: (c * 0.5, None), x, None, length=3)[0]
+        return jax.lax.scan(lambda c, _: (c + 1.0, None), a, None, length=2)[0]
 
     def block(f):
-        with tap.record(where=lambda p: p == "scan[0]") as rec:  # equal options in both blocks
-            f(jnp.float32(1.0))
-        return len(rec)
+        with tap.record(where=lambda p: p == "scan[1]") as rec:  # equal options in both blocks
+            out = f(jnp.float32(1.0))
+        return out, [(e.path, e.step) for e in rec.events]
 
-    assert block(jax.jit(program)) == 3
-    assert block(program) == 3
+    plain = program(jnp.float32(1.0))
+    for f in (jax.jit(program), program):
+        out, events = block(f)
+        assert_bits(out, plain)
+        assert events == [("scan[1]", 0), ("scan[1]", 1)]
+
+
+@pytest.mark.xfail(strict=True, reason="known bug (2026-12-05): a block that reuses an earlier equal-options "
+                   "block's compilation numbers top-level loops as their events arrive, so a loop `where` "
+                   "excluded there shifts the numbers and `where` drops the rest (README)")
+def test_equal_options_a_second_block_reusing_the_compilation_with_where():
+    def program(x):
+        a = jax.lax.scan(lambda c, _: (c * 0.5, None), x, None, length=3)[0]
+        return jax.lax.scan(lambda c, _: (c + 1.0, None), a, None, length=2)[0]
+
+    f = jax.jit(program)
+    for _ in range(2):
+        with tap.record(where=lambda p: p == "scan[1]") as rec:
+            f(jnp.float32(1.0))
+        assert [(e.path, e.step) for e in rec.events] == [("scan[1]", 0), ("scan[1]", 1)]

@@ -450,12 +450,16 @@ def _intercept(prim, handler, ctx, args, params):
     # a custom_jvp/custom_vjp body JAX may trace and discard: its loops take
     # no number until their events arrive (_routing.Router); others, program order
     provisional = _seam.in_custom_body_trace(ctx.barrier)
-    path = None
+    path, renamed = None, False
     kind = "scan" if prim is _seam.scan_p else "while"
     if not provisional:
         info = _seam.backward_info(params) if ctx._plan.backward and kind == "scan" else None
         key = _seam.loop_site(prim, params, site) if info is None else info.forward_site  # a backward twin's
-        path = f"{kind}[{ctx._sites.index(kind, key)}]"
+        index = ctx._sites.index(kind, key)
+        path = f"{kind}[{index}]"
+        # the walker numbers top-level loops for every block with these options;
+        # where it names this one otherwise, `where` is asked on the host (_routing)
+        renamed = walker.sites.peek(kind, key) != index
     times = getattr(ctx, "_times", None)
     if times is not None and times.trace_events:
         _trace_event(times, path, prim, params, site)
@@ -465,9 +469,10 @@ def _intercept(prim, handler, ctx, args, params):
         try:
             ctx._names_seen.update(tappable_names(_seam.loop_body(prim, params).jaxpr))
             if _seam.evaluating_eagerly():
-                return _run_eagerly(_eager_tapped(walker, prim, handler, params, site), args)
+                return _run_eagerly(_eager_tapped(walker, prim, handler, params, site, renamed), args)
             with _seam.loop_scope(), shard_mode(walker.plan):
                 scope = walker.top_scope(SiteIndex() if provisional else None)
+                scope.provisional = scope.provisional or renamed
                 return handler(walker, None, params, list(args), scope, site)
         except TapSelectError:
             raise
@@ -509,7 +514,7 @@ def _run_eagerly(fn, args):
         raise _ProgramFailed(exc) from None
 
 
-def _eager_tapped(walker, prim, handler, params, site):
+def _eager_tapped(walker, prim, handler, params, site, renamed=False):
     """The tapped loop as one jitted function, cached per loop equation.
 
     Eagerly JAX dispatches a loop as one compiled program, cached on its
@@ -518,14 +523,16 @@ def _eager_tapped(walker, prim, handler, params, site):
     again on every call."""
     cache = walker.eager
     try:
-        key = (prim, tuple(sorted(params.items())), site)
+        key = (prim, tuple(sorted(params.items())), site, renamed)
         fn = cache.get(key)
     except TypeError:  # unhashable parameters: compile this once
         key, fn = None, None
     if fn is None:
         def run(*args):
             with _seam.loop_scope(), shard_mode(walker.plan):
-                return handler(walker, None, params, list(args), walker.top_scope(), site)
+                scope = walker.top_scope()
+                scope.provisional = renamed  # (see _intercept)
+                return handler(walker, None, params, list(args), scope, site)
 
         fn = jax.jit(run)
         if key is not None:

@@ -23,6 +23,11 @@ class SiteIndex:
         self._by_site: dict = {}
         self._next: dict = {}
 
+    def peek(self, name, site):
+        """The index :meth:`index` gives, without assigning one."""
+        key = (name, site)
+        return self._by_site[key] if key in self._by_site else self._next.get(name, 0)
+
     def index(self, name, site):
         key = (name, site)
         if key not in self._by_site:

@@ -609,3 +609,51 @@ def test_jsonl_block_lines_equal_event_lines_at_every_magnitude(fast, tmp_path, 
         texts.append(path.read_text())
     assert texts[0] == texts[1] and len(texts[0].splitlines()) == 60
     assert "e-" in texts[0] and "e+" in texts[0]  # magnitudes repr writes with an exponent
+
+
+def test_a_recorder_alone_keeps_unbuffered_events_without_an_object_each():
+    """Unbuffered hops a recorder alone keeps are bytes in one run, not a
+    Python object per event (which every garbage collection of the
+    process would walk); read, they are the events per-event delivery
+    gives, in arrival order across interleaved loops."""
+    import gc
+
+    def nest(x):
+        def outer(c, _):
+            c = jax.lax.scan(lambda d, _: (d * 1.001, None), c, None, length=3)[0]
+            return c + 1.0, None
+        return jax.lax.scan(outer, x, None, length=2000)[0]
+
+    f = jax.jit(nest)
+    for _ in range(2):  # the second block reuses the first one's compilation
+        with tap.record():
+            jax.block_until_ready(f(jnp.ones(2)))
+    gc.collect()
+    before = len(gc.get_objects())
+    with tap.record() as kept:
+        jax.block_until_ready(f(jnp.ones(2)))
+        jax.effects_barrier()
+    gc.collect()
+    assert len(kept) == 8000 and len(gc.get_objects()) - before < 400, len(gc.get_objects()) - before
+    _, per_event = run(f, jnp.ones(2), on_step=lambda e: None)
+    assert as_bits(kept.events) == as_bits(per_event.events)
+    assert [e.path for e in kept.events[:5]] == ["scan[0]/scan[0]"] * 3 + ["scan[0]", "scan[0]/scan[0]"]
+
+
+def test_reading_a_recorder_while_its_loop_runs_keeps_every_event_in_order():
+    """Reads on the host while the loop runs (a live plot) open the run of
+    kept bytes; later hops start a new one; nothing is lost or reordered."""
+    seen = []
+
+    def f(x):
+        def body(c, _):
+            jax.debug.callback(lambda: seen.append(len(rec.events)))
+            return c + 1.0, None
+        return jax.lax.scan(body, x, None, length=50)[0]
+
+    with tap.record() as rec:
+        jax.block_until_ready(jax.jit(f)(jnp.float32(0.0)))
+        jax.effects_barrier()
+    assert [e.step for e in rec.events] == list(range(50)) and len(rec) == 50
+    assert [float(e.value) for e in rec.events] == [float(i + 1) for i in range(50)]
+    assert seen == sorted(seen) and seen[-1] >= 40  # the reads saw the run grow

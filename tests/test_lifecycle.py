@@ -1146,9 +1146,6 @@ def test_equal_options_a_jit_block_then_an_eager_block_with_where():
         assert events == [("scan[1]", 0), ("scan[1]", 1)]
 
 
-@pytest.mark.xfail(strict=True, reason="known bug (2026-12-05): a block that reuses an earlier equal-options "
-                   "block's compilation numbers top-level loops as their events arrive, so a loop `where` "
-                   "excluded there shifts the numbers and `where` drops the rest (README)")
 def test_equal_options_a_second_block_reusing_the_compilation_with_where():
     def program(x):
         a = jax.lax.scan(lambda c, _: (c * 0.5, None), x, None, length=3)[0]
@@ -1159,3 +1156,39 @@ def test_equal_options_a_second_block_reusing_the_compilation_with_where():
         with tap.record(where=lambda p: p == "scan[1]") as rec:
             f(jnp.float32(1.0))
         assert [(e.path, e.step) for e in rec.events] == [("scan[1]", 0), ("scan[1]", 1)]
+
+
+def test_equal_options_reused_compilations_keep_each_programs_order():
+    """A block that reuses an equal-options block's compilation numbers the
+    loops it never traced as their trace bound them (`where` excluded the
+    first one, which sends no event); a program it traces itself comes
+    after; a cached program with one loop is `scan[0]` in a block that ran
+    only it (its numbers do not depend on what earlier blocks ran)."""
+    def two(x):
+        a = jax.lax.scan(lambda c, _: (c * 0.5, None), x, None, length=3)[0]
+        return jax.lax.scan(lambda c, _: (c + 1.0, None), a, None, length=2)[0]
+
+    def one(x):
+        return jax.lax.scan(lambda c, _: (c - 1.0, None), x, None, length=1)[0]
+
+    def only(x):
+        return jax.lax.scan(lambda c, _: (c * 3.0, None), x, None, length=2)[0]
+
+    f, g, h = jax.jit(two), jax.jit(one), jax.jit(only)
+    where = lambda p: p != "scan[0]"  # noqa: E731 - equal options: the same function in every block
+    with tap.record(where=where) as first:
+        f(jnp.float32(1.0))
+        h(jnp.float32(1.0))
+    with tap.record(where=where) as second:
+        f(jnp.float32(1.0))  # reused: its second loop is scan[1] here too
+        g(jnp.float32(1.0))  # traced in this block, after f's two loops
+    everywhere = lambda p: True  # noqa: E731
+    with tap.record(where=everywhere):
+        f(jnp.float32(1.0))
+        h(jnp.float32(1.0))  # the walker numbers its loop 2
+    with tap.record(where=everywhere) as alone:
+        h(jnp.float32(1.0))
+    assert [(e.path, e.step) for e in first.events] == [("scan[1]", 0), ("scan[1]", 1), ("scan[2]", 0),
+                                                         ("scan[2]", 1)]
+    assert [(e.path, e.step) for e in second.events] == [("scan[1]", 0), ("scan[1]", 1), ("scan[2]", 0)]
+    assert [(e.path, e.step) for e in alone.events] == [("scan[0]", 0), ("scan[0]", 1)]

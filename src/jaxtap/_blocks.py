@@ -11,6 +11,7 @@ delivery.
 """
 from __future__ import annotations
 
+import array
 import itertools
 from typing import Any, List, Optional
 
@@ -216,6 +217,57 @@ class TapBlock:
         if self._cols is None and raw is not None and raw[0] is not None:
             return len(raw[0])
         return int(self.steps.nbytes + sum(c.nbytes for c in self._leaves))
+
+
+class RawRun:
+    """Consecutive unbuffered events a recorder kept as their hops' bytes:
+    one growing buffer, each row's end and site; no Python object per
+    event (a million TapBlocks would cost the collector of every
+    Python object, the user's own included, seconds). Read, it becomes the
+    one-event :meth:`TapBlock.of_bytes` blocks it stands for.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> run = RawRun()
+    >>> run.add("scan[0]", "carry", 3, np.arange(4, dtype=np.uint8), None)
+    >>> run.add("scan[0]", "carry", 3, np.arange(4, dtype=np.uint8), None)
+    >>> [(b.path, len(b)) for b in run.blocks()]
+    [('scan[0]', 1), ('scan[0]', 1)]
+    """
+
+    __slots__ = ("_sites", "_site_of", "_ids", "_ends", "_data")
+
+    def __init__(self):
+        self._sites: list = []  # (path, kind, total, decode) per site id
+        self._site_of: dict = {}
+        self._ids = array.array("I")
+        self._ends = array.array("Q")
+        self._data = bytearray()
+
+    def add(self, path, kind, total, raw, decode) -> None:
+        """One event: ``raw`` (a contiguous buffer, copied here) and how to decode it."""
+        key = (path, kind, total, decode)
+        sid = self._site_of.get(key)
+        if sid is None:
+            sid = self._site_of[key] = len(self._sites)
+            self._sites.append(key)
+        self._data += memoryview(raw)  # (never `+= array`: numpy would take it as its own add)
+        self._ids.append(sid)
+        self._ends.append(len(self._data))
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def blocks(self) -> list:
+        """The events as one-event blocks kept as bytes, in arrival order
+        (views of the run's buffer: it goes when the last is decoded)."""
+        data, sites, out, start = memoryview(self._data), self._sites, [], 0
+        for sid, end in zip(self._ids, self._ends):
+            path, kind, total, decode = sites[sid]
+            out.append(TapBlock.of_bytes(path, kind, total, data[start:end], decode))
+            start = end
+        return out
 
 
 def decode_kept(items) -> None:

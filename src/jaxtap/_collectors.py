@@ -8,7 +8,7 @@ from typing import Iterator, List, Optional
 
 import numpy as np
 
-from ._blocks import TapBlock, decode_kept, frame_columns
+from ._blocks import RawRun, TapBlock, decode_kept, frame_columns
 from ._event import TAG_FIELDS, TapEvent
 
 
@@ -31,11 +31,14 @@ class FlightRecorder:
     [1.0, 2.0, 3.0]
     """
 
+    _runs = 0  # (a recorder pickled before RawRuns has none)
+
     def __init__(self, maxlen: Optional[int] = None):
         if maxlen is not None and (not isinstance(maxlen, int) or isinstance(maxlen, bool) or maxlen < 1):
             raise ValueError(f"jax-tap: FlightRecorder(maxlen=...) must be a positive int or None, got {maxlen!r}")
         self._events = _store((), maxlen)  # TapEvents and (unbounded recorders) TapBlocks
-        self._blocks = 0  # TapBlocks in _events ...
+        self._blocks = 0  # TapBlocks and RawRuns in _events ...
+        self._runs = 0  # ... RawRuns among them
         self._extra = 0  # ... and the events they hold beyond one each
         self._times = None  # arrival times (time.time()), parallel to _events, once keep_times()
         self._spans = None  # the scope's jit-event taps (their compile spans), for timeline()
@@ -47,8 +50,7 @@ class FlightRecorder:
         """The recorded events, oldest first (a list snapshot). Assignable,
         as in jax-tap 0.3.1 (``rec.events = []`` clears the recorder).
         Buffered blocks are kept as columns and become TapEvents here."""
-        with _BLOCK_LOCK:
-            items, blocks = list(self._events), self._blocks
+        items, blocks = self._items()
         if not blocks:
             return items
         decode_kept(items)
@@ -66,7 +68,7 @@ class FlightRecorder:
         with _BLOCK_LOCK:  # in place: a running block's appender keeps recording here
             self._events.clear()
             self._events.extend(events)
-            self._blocks = self._extra = 0
+            self._blocks = self._extra = self._runs = 0
             if self._times is not None:
                 self._times.clear()
                 self._times.extend([None] * len(self._events))
@@ -81,12 +83,58 @@ class FlightRecorder:
         """The stored items, listed under the lock, hops kept as bytes
         decoded (a site at a time); with ``times``, also their arrival times."""
         with _BLOCK_LOCK:
+            self._open_runs()
             items = list(self._events)
             stamps = None
             if times:
                 stamps = list(self._times) if self._times is not None else [None] * len(items)
         decode_kept(items)
         return (items, stamps) if times else items
+
+    def _items(self):
+        """(a list snapshot of the stored items, whether any is a block)."""
+        with _BLOCK_LOCK:
+            self._open_runs()
+            return list(self._events), self._blocks
+
+    def _open_runs(self) -> None:
+        """Replace each RawRun in the store by its one-event blocks (under
+        the lock; items other threads append meanwhile go after them)."""
+        events = self._events
+        if not self._runs:
+            return
+        items = list(events)
+        last = max(i for i, item in enumerate(items) if type(item) is RawRun)
+        opened: list = []
+        for item in items[:last + 1]:
+            if type(item) is RawRun:
+                n = len(item)
+                opened.extend(item.blocks())
+                self._blocks += n - 1
+                self._extra -= n - 1
+            else:
+                opened.append(item)
+        events[:last + 1] = opened
+        self._runs = 0
+
+    def _keep_bytes(self, path, kind, total, raw, decode) -> None:
+        """One unbuffered hop's event, kept as its bytes ``raw`` (a
+        contiguous buffer, copied) until read: appended to the run of such
+        events at the end of the store, no object per event."""
+        with _BLOCK_LOCK:
+            events = self._events
+            run = events[-1] if events else None
+            if self._times is not None:  # (each item keeps its arrival time: one block per event)
+                self.append_block(TapBlock.of_bytes(path, kind, total, bytes(raw), decode), locked=True)
+                return
+            if type(run) is not RawRun:
+                run = RawRun()
+                events.append(run)
+                self._blocks += 1
+                self._runs += 1
+            else:
+                self._extra += 1
+            run.add(path, kind, total, raw, decode)
 
     def keep_times(self) -> None:
         """Also keep each event's arrival time (for :meth:`timeline`)."""
@@ -99,7 +147,7 @@ class FlightRecorder:
             self._times.append(time.time())
         self._events.append(event)
 
-    def append_block(self, block: TapBlock) -> None:
+    def append_block(self, block: TapBlock, locked: bool = False) -> None:
         """Record a block of events, kept as columns (a bounded recorder
         keeps the last ``maxlen`` of them as TapEvents)."""
         maxlen = getattr(self._events, "maxlen", None)
@@ -110,12 +158,18 @@ class FlightRecorder:
             if self._times is not None:
                 self._times.extend([now] * len(rows))
             return
+        if locked:
+            self._append_block(block, now)
+            return
         with _BLOCK_LOCK:  # callbacks of several devices may deliver at once
-            self._events.append(block)
-            self._blocks += 1
-            self._extra += len(block) - 1
-            if self._times is not None:
-                self._times.append(now)
+            self._append_block(block, now)
+
+    def _append_block(self, block, now) -> None:
+        self._events.append(block)
+        self._blocks += 1
+        self._extra += len(block) - 1
+        if self._times is not None:
+            self._times.append(now)
 
     def on_block(self, block: TapBlock) -> None:
         """As an ``on_step``, a recorder takes buffered blocks whole too."""
@@ -157,7 +211,7 @@ class FlightRecorder:
         """Forget every recorded event."""
         with _BLOCK_LOCK:
             self._events.clear()
-            self._blocks = self._extra = 0
+            self._blocks = self._extra = self._runs = 0
             if self._times is not None:
                 self._times.clear()
 

@@ -389,10 +389,11 @@ def _plain_namedtuple(kind) -> bool:
 
 def _kept_rows(meta, layout, guard, sample_every, conditional):
     """``raw(buf, plan) -> handled?``: a hop's packed bytes kept as they are
-    (one copy, a :meth:`TapBlock.of_bytes`) when its consumers are a
-    recorder alone (``sink.raw_rows``): a carry of many leaves then costs
-    its recorder one copy and one append, not an array per leaf. The events
-    are built, the same as per-event delivery's, when the recorder is read."""
+    (one copy into the recorder's run of such events, ``_blocks.RawRun``)
+    when its consumers are a recorder alone (``sink.keep_bytes``): a carry
+    of many leaves then costs its recorder one copy, not an array per leaf
+    nor an object per event. The events are built, the same as per-event
+    delivery's, when the recorder is read."""
     decoder = _decoder_cache(layout, conditional)
 
     def raw(buf, plan):
@@ -405,11 +406,11 @@ def _kept_rows(meta, layout, guard, sample_every, conditional):
         target = _resolve(meta, guard)
         if target is None:
             return True  # no receiver: dropped
-        rows = getattr(target[0], "raw_rows", None)
-        if rows is None:
+        keep = getattr(target[0], "keep_bytes", None)
+        if keep is None:
             return False
         try:
-            rows(TapBlock.of_bytes(target[1], meta.kind, meta.total, buf.tobytes(), decoder(plan)))
+            keep(target[1], meta.kind, meta.total, buf if buf.flags.c_contiguous else buf.tobytes(), decoder(plan))
         except Exception as exc:  # noqa: BLE001 - totality
             guard.failed(exc)
         return True

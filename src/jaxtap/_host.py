@@ -14,7 +14,6 @@ import threading
 import warnings
 from typing import Any, Callable, Optional
 
-import jax
 import numpy as np
 
 from ._event import TapEvent
@@ -109,17 +108,14 @@ def raise_lost_interrupt() -> None:
         raise KeyboardInterrupt
 
 
-# the error XLA raises for a host callback that raised (public API: outside the seam)
-_RUNTIME_ERROR = jax.errors.JaxRuntimeError
-
-
 def interrupt_of(exc: Optional[BaseException]) -> Optional[KeyboardInterrupt]:
     """The ``KeyboardInterrupt`` a block raises in place of ``exc``, the
     runtime error XLA reports for a Ctrl-C that stopped a host callback
     (jax-tap's or the user's own ``jax.debug.callback``); None otherwise."""
     if exc is None or not isinstance(exc, Exception) or "KeyboardInterrupt" not in type(exc).__name__ + str(exc):
         return None
-    return KeyboardInterrupt() if isinstance(exc, _RUNTIME_ERROR) else None
+    from ._seam import RUNTIME_ERRORS  # (here: the seam's callbacks import this module)
+    return KeyboardInterrupt() if isinstance(exc, RUNTIME_ERRORS) else None
 
 
 def explain(exc: Optional[BaseException]) -> None:
@@ -328,6 +324,7 @@ def _sink(alert, recorder, consumer):
         keeps = getattr(recorder, "_keeps_bytes", None)
         if alert is None and consumer is None and keeps is not None and keeps():
             sink.raw_rows = columns  # a recorder alone, unbounded: it may keep a hop's bytes
+            sink.keep_bytes = recorder._keep_bytes  # (one event's, in its run: no block)
     return sink
 
 

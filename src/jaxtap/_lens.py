@@ -35,7 +35,7 @@ from ._host import Guard, explain, interrupt_of, warn_once_now
 from . import _loops  # noqa: F401 - registers the scan and while rules
 from ._routing import Router
 from ._rules import RULES
-from ._scope import SiteIndex
+from ._scope import SiteIndex, TraceOrder
 from ._transform import Sinks, Walker, handler_for, tappable_names
 
 _LOOPS = _seam.LOOP_PRIMITIVES  # intercepted whenever a block is active
@@ -61,13 +61,14 @@ class Token:
     configuration and thread; events go to the innermost active block of the
     token) or a wrapped function's (``owner`` given: events go to it)."""
 
-    __slots__ = ("key", "walker", "__weakref__")
+    __slots__ = ("key", "walker", "order", "__weakref__")
 
     def __init__(self, key, plan, owner=None):
         self.key = key
+        self.order = TraceOrder()  # top-level loops in each trace's order, for blocks that reuse it
         if owner is None:
             ref = weakref.ref(self)
-            router = Router(lambda: None if ref() is None else _REGISTRY.innermost(ref()), _REGISTRY)
+            router = Router(lambda: None if ref() is None else _REGISTRY.innermost(ref()), _REGISTRY, self.order)
         else:
             router = Router(lambda: owner, _REGISTRY)  # (held: its programs may run after the call returned)
         sinks = Sinks(router.carry_sink, router.carry_sink,
@@ -456,6 +457,8 @@ def _intercept(prim, handler, ctx, args, params):
         info = _seam.backward_info(params) if ctx._plan.backward and kind == "scan" else None
         key = _seam.loop_site(prim, params, site) if info is None else info.forward_site  # a backward twin's
         index = ctx._sites.index(kind, key)
+        if not _seam.evaluating_eagerly():
+            ctx._token.order.note(kind, key, _seam.current_trace())
         path = f"{kind}[{index}]"
         # the walker numbers top-level loops for every block with these options;
         # where it names this one otherwise, `where` is asked on the host (_routing)
@@ -471,8 +474,7 @@ def _intercept(prim, handler, ctx, args, params):
             if _seam.evaluating_eagerly():
                 return _run_eagerly(_eager_tapped(walker, prim, handler, params, site, renamed), args)
             with _seam.loop_scope(), shard_mode(walker.plan):
-                scope = walker.top_scope(SiteIndex() if provisional else None)
-                scope.provisional = scope.provisional or renamed
+                scope = walker.top_scope(SiteIndex() if provisional else None, renamed)
                 return handler(walker, None, params, list(args), scope, site)
         except TapSelectError:
             raise
@@ -530,8 +532,7 @@ def _eager_tapped(walker, prim, handler, params, site, renamed=False):
     if fn is None:
         def run(*args):
             with _seam.loop_scope(), shard_mode(walker.plan):
-                scope = walker.top_scope()
-                scope.provisional = renamed  # (see _intercept)
+                scope = walker.top_scope(provisional=renamed)  # (see _intercept)
                 return handler(walker, None, params, list(args), scope, site)
 
         fn = jax.jit(run)

@@ -21,8 +21,9 @@ class Router:
     do not depend on what earlier blocks with the same configuration ran.
     """
 
-    def __init__(self, find, registry):
+    def __init__(self, find, registry, order=None):
         self._find, self._registry = find, registry
+        self._order = order  # a TraceOrder: the loops a block never traced are numbered as if it had
         # (path, kind, top) -> (registry generation, weakref(receiver), path):
         # a hop's route is looked up once per change of the active blocks
         self._routes = {}
@@ -55,7 +56,11 @@ class Router:
             return None, None
         if top is not None:
             first, sep, rest = path.partition("/")
-            mine = f"{top[0]}[{ctx._sites.index(top[0], top[1])}]"
+            sites = ctx._sites
+            if self._order is not None and len(top) == 2 and top not in sites:
+                for earlier in self._order.before.get(top, ()):  # (its trace's loops before it come first)
+                    sites.index(top[0], earlier)
+            mine = f"{top[0]}[{sites.index(top[0], top[1])}]"
             if mine != first or len(top) > 2:  # renamed, or a provisional loop's (where not asked yet)
                 path = mine + sep + rest
                 where = ctx._plan.where

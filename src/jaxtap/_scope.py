@@ -15,6 +15,8 @@ See README, "Addresses":
 """
 from __future__ import annotations
 
+import weakref
+
 
 class SiteIndex:
     """Top-level addressing: one index per distinct source site, per name."""
@@ -28,6 +30,9 @@ class SiteIndex:
         key = (name, site)
         return self._by_site[key] if key in self._by_site else self._next.get(name, 0)
 
+    def __contains__(self, key):
+        return key in self._by_site
+
     def index(self, name, site):
         key = (name, site)
         if key not in self._by_site:
@@ -35,6 +40,37 @@ class SiteIndex:
             self._by_site[key] = n
             self._next[name] = n + 1
         return self._by_site[key]
+
+
+class TraceOrder:
+    """Which top-level loops each one's trace bound before it (per name).
+
+    A block that reuses a compilation an equal-options block traced never
+    saw its untapped loops (one ``where`` excluded, say); numbering the
+    tapped ones as their events arrive would shift them. The router
+    numbers a loop's recorded predecessors first, so the block's
+    addresses are those it would give had it traced the program.
+
+    Example
+    -------
+    >>> order, t = TraceOrder(), object.__new__(type("T", (), {}))
+    >>> order.note("scan", "a.py:1", t); order.note("scan", "a.py:2", t)
+    >>> order.before[("scan", "a.py:2")]
+    ('a.py:1',)
+    """
+
+    def __init__(self):
+        self._seen = weakref.WeakKeyDictionary()  # trace -> {name: [sites in order]}
+        self.before: dict = {}  # (name, site) -> sites its trace bound before it (the first trace's)
+
+    def note(self, name, site, trace) -> None:
+        try:
+            sites = self._seen.setdefault(trace, {}).setdefault(name, [])
+        except TypeError:  # a trace without weak references: arrival order, as before
+            return
+        if site not in sites:
+            self.before.setdefault((name, site), tuple(sites))
+            sites.append(site)
 
 
 class Counter:

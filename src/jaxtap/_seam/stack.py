@@ -27,6 +27,7 @@ __all__ = [
     "in_derivative_code",
     "in_tangent_code",
     "barrier_here",
+    "current_trace",
     "differentiated",
     "differentiating",
     "jit_disabled",
@@ -303,6 +304,11 @@ def bound_by_transpose() -> bool:
     """Is the loop being bound right now bound by scan's transpose rule
     itself (a backward scan), not by code it traces on the way?"""
     return _binder_name().startswith("_scan_transpose")
+
+
+def current_trace():
+    """The trace a primitive bound now is staged into (its identity only)."""
+    return _core.trace_ctx.trace
 
 
 def barrier_here():

@@ -657,3 +657,48 @@ def test_reading_a_recorder_while_its_loop_runs_keeps_every_event_in_order():
     assert [e.step for e in rec.events] == list(range(50)) and len(rec) == 50
     assert [float(e.value[0]) for e in rec.events] == [float(i + 1) for i in range(50)]  # (the carry leaves)
     assert seen == sorted(seen) and seen[-1] >= 40  # the reads saw the run grow
+
+
+def test_keep_times_after_kept_events_lines_up_times_with_events(tmp_path):
+    """Arrival times start where keep_times() is called: the events kept
+    before it (bytes in one run) have none, each later event its own."""
+    f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=3)[0])
+    g, rec = tap.record(f)
+    g(jnp.float32(0.0))
+    rec.keep_times()
+    g(jnp.float32(10.0))
+    items, stamps = rec._snapshot(times=True)
+    assert len(items) == len(stamps) == 6
+    assert [t is None for t in stamps] == [True] * 3 + [False] * 3
+    assert [float(e.value[0]) for e in rec.events] == [1.0, 2.0, 3.0, 11.0, 12.0, 13.0]
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_a_recorder_copied_while_its_loop_runs_copies_what_it_holds(how):
+    """Copies taken by another thread while hops arrive (kept bytes growing
+    at the end of the store) hold TapEvents only, as many as they say."""
+    import copy
+    import pickle
+    import threading
+    copies, done = [], threading.Event()
+
+    def copier():
+        while not done.is_set():
+            copies.append(pickle.loads(pickle.dumps(rec)) if how == "pickle" else copy.deepcopy(rec))
+
+    f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=5_000)[0])
+    jax.block_until_ready(f(jnp.float32(0.0)))
+    with tap.record() as rec:
+        thread = threading.Thread(target=copier)
+        thread.start()
+        try:
+            jax.block_until_ready(f(jnp.float32(0.0)))
+            jax.effects_barrier()
+        finally:
+            done.set()
+            thread.join()
+    assert len(rec) == 5_000 and len(copies) >= 2
+    for c in copies:
+        events = c.events
+        assert len(events) == len(c) and all(isinstance(e, tap.TapEvent) for e in events)
+        assert [e.step for e in events] == list(range(len(events)))

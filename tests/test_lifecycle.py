@@ -14,6 +14,7 @@ file must pass); each has a standalone repro under /tmp/lifecycle_reports/.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 import time
@@ -1192,3 +1193,41 @@ def test_equal_options_reused_compilations_keep_each_programs_order():
                                                          ("scan[2]", 1)]
     assert [(e.path, e.step) for e in second.events] == [("scan[1]", 0), ("scan[1]", 1), ("scan[2]", 0)]
     assert [(e.path, e.step) for e in alone.events] == [("scan[0]", 0), ("scan[0]", 1)]
+
+
+@pytest.mark.parametrize("how", ["nested jit", "cond", "vmap", "static arg"])
+def test_equal_options_reused_compilations_number_as_a_fresh_block(how):
+    """The loops a reusing block never traced are numbered as their own
+    program bound them (one program's loops in nested jits, cond branches
+    and vmaps count together), whatever other programs share their sites."""
+    def a(x):
+        return jax.lax.scan(lambda c, _: (c * 0.5, None), x, None, length=3)[0]
+
+    def b(x):
+        return jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=2)[0]
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def program(x, warm):
+        if how == "static arg":
+            return b(a(x) if warm else x)
+        x = a(x)
+        if how == "nested jit":
+            return jax.jit(b)(x)
+        if how == "cond":
+            return jax.lax.cond(x > 0, b, lambda y: y - 1.0, x)
+        return jax.vmap(b)(jnp.stack([x, x]))[0]
+
+    where = lambda p: p != "scan[0]"  # noqa: E731 - equal options in every block
+
+    def block(*warms):
+        with tap.record(where=where) as rec:
+            for warm in warms:
+                jax.block_until_ready(program(jnp.float32(1.0), warm))
+        return [(e.path, e.step) for e in rec.events]
+
+    fresh = block(True)
+    assert {p for p, _ in fresh} == {"scan[1]"}
+    if how == "static arg":
+        block(True, False)  # the walker meets b's site in two programs
+        assert block(False) == []  # b alone: scan[0], excluded, as in a fresh process
+    assert block(True) == fresh

@@ -76,8 +76,15 @@ class FlightRecorder:
     def __getstate__(self):
         """Picklable: blocks kept as their hops' bytes are decoded first (a
         site at a time) and pickle as their events."""
-        self._snapshot()
-        return self.__dict__.copy()
+        items, stamps = self._snapshot(times=True)  # (runs opened: what it holds now, consistently)
+        maxlen = getattr(self._events, "maxlen", None)
+        state = self.__dict__.copy()
+        state["_events"] = _store(items, maxlen)
+        state["_times"] = None if self._times is None else _store(stamps, maxlen)
+        state["_blocks"] = sum(isinstance(item, TapBlock) for item in items)
+        state["_extra"] = sum(len(item) - 1 for item in items if isinstance(item, TapBlock))
+        state["_runs"] = 0
+        return state
 
     def _snapshot(self, times: bool = False):
         """The stored items, listed under the lock, hops kept as bytes
@@ -125,7 +132,7 @@ class FlightRecorder:
             events = self._events
             run = events[-1] if events else None
             if self._times is not None:  # (each item keeps its arrival time: one block per event)
-                self.append_block(TapBlock.of_bytes(path, kind, total, bytes(raw), decode), locked=True)
+                self._append_block(TapBlock.of_bytes(path, kind, total, bytes(raw), decode), time.time())
                 return
             if type(run) is not RawRun:
                 run = RawRun()
@@ -138,8 +145,10 @@ class FlightRecorder:
 
     def keep_times(self) -> None:
         """Also keep each event's arrival time (for :meth:`timeline`)."""
-        if self._times is None:
-            self._times = _store([None] * len(self._events), getattr(self._events, "maxlen", None))
+        with _BLOCK_LOCK:
+            if self._times is None:
+                self._open_runs()  # (a time per stored item: a run's events become items first)
+                self._times = _store([None] * len(self._events), getattr(self._events, "maxlen", None))
 
     def append(self, event: TapEvent) -> None:
         """Record one event."""
@@ -147,7 +156,7 @@ class FlightRecorder:
             self._times.append(time.time())
         self._events.append(event)
 
-    def append_block(self, block: TapBlock, locked: bool = False) -> None:
+    def append_block(self, block: TapBlock) -> None:
         """Record a block of events, kept as columns (a bounded recorder
         keeps the last ``maxlen`` of them as TapEvents)."""
         maxlen = getattr(self._events, "maxlen", None)
@@ -157,9 +166,6 @@ class FlightRecorder:
             self._events.extend(rows)
             if self._times is not None:
                 self._times.extend([now] * len(rows))
-            return
-        if locked:
-            self._append_block(block, now)
             return
         with _BLOCK_LOCK:  # callbacks of several devices may deliver at once
             self._append_block(block, now)
@@ -187,8 +193,10 @@ class FlightRecorder:
     def _keeps_bytes(self) -> bool:
         """Whether ``append_block`` may take one-event blocks kept as their
         hop's bytes (:meth:`TapBlock.of_bytes`): not a bounded recorder
-        (it keeps objects), nor a subclass that records events itself."""
-        return getattr(self._events, "maxlen", None) is None and self._block_appender() is not None
+        (it keeps objects), nor a subclass that records events or blocks
+        itself (kept bytes bypass both)."""
+        return (getattr(self._events, "maxlen", None) is None and self._block_appender() is not None
+                and type(self).append_block is FlightRecorder.append_block)
 
     def _appender(self):
         """The cheapest callable that records one event (the host's hot path)."""

@@ -160,7 +160,8 @@ def drive(walker, wants, path, top, runner: Runner, side=None, collect=None, lan
 
 
 def _goes_on(s):
-    """A driver's cond: its carried flag, and'ed with a test that never fails.
+    """A driver's cond: its carried flag, and'ed with a test that never fails
+    (the sampling period, a run-time value XLA cannot see, is not 0).
 
     A cond that is a bare carried flag lets XLA's trip-count analysis take the
     flag for an induction variable and evaluate it by brute force, cloning
@@ -170,7 +171,7 @@ def _goes_on(s):
     The flag itself stays carried (computed in the body: see README,
     "nested emitting loops on CPU", for why that matters to rounding).
     """
-    return lax.bitwise_and(s[2], lax.lt(s[0], np.int32(np.iinfo(np.int32).max)))
+    return lax.bitwise_and(s[2], lax.ne(s[1], np.int32(0)))
 
 
 def _drive_scan(walker, metas, payloads, runner, k0, lane_running):

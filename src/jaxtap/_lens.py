@@ -65,10 +65,10 @@ class Token:
 
     def __init__(self, key, plan, owner=None):
         self.key = key
-        self.order = TraceOrder()  # top-level loops in each trace's order, for blocks that reuse it
+        self.order = TraceOrder()  # top-level loops in each program's order, for blocks that reuse it
         if owner is None:
             ref = weakref.ref(self)
-            router = Router(lambda: None if ref() is None else _REGISTRY.innermost(ref()), _REGISTRY, self.order)
+            router = Router(lambda: None if ref() is None else _REGISTRY.innermost(ref()), _REGISTRY)
         else:
             router = Router(lambda: owner, _REGISTRY)  # (held: its programs may run after the call returned)
         sinks = Sinks(router.carry_sink, router.carry_sink,
@@ -451,14 +451,14 @@ def _intercept(prim, handler, ctx, args, params):
     # a custom_jvp/custom_vjp body JAX may trace and discard: its loops take
     # no number until their events arrive (_routing.Router); others, program order
     provisional = _seam.in_custom_body_trace(ctx.barrier)
-    path, renamed = None, False
+    path, renamed, before = None, False, None
     kind = "scan" if prim is _seam.scan_p else "while"
     if not provisional:
         info = _seam.backward_info(params) if ctx._plan.backward and kind == "scan" else None
         key = _seam.loop_site(prim, params, site) if info is None else info.forward_site  # a backward twin's
         index = ctx._sites.index(kind, key)
-        if not _seam.evaluating_eagerly():
-            ctx._token.order.note(kind, key, _seam.current_trace())
+        if not _seam.evaluating_eagerly():  # (an eager loop is numbered by every block that runs it)
+            before = ctx._token.order.note(kind, key, _seam.current_trace())
         path = f"{kind}[{index}]"
         # the walker numbers top-level loops for every block with these options;
         # where it names this one otherwise, `where` is asked on the host (_routing)
@@ -474,7 +474,7 @@ def _intercept(prim, handler, ctx, args, params):
             if _seam.evaluating_eagerly():
                 return _run_eagerly(_eager_tapped(walker, prim, handler, params, site, renamed), args)
             with _seam.loop_scope(), shard_mode(walker.plan):
-                scope = walker.top_scope(SiteIndex() if provisional else None, renamed)
+                scope = walker.top_scope(SiteIndex() if provisional else None, renamed, before)
                 return handler(walker, None, params, list(args), scope, site)
         except TapSelectError:
             raise

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import weakref
 
+from ._scope import PROVISIONAL
+
 _MAX_ROUTES = 4096  # cached routes per router (addresses x kinds); cleared when full
 
 
@@ -21,9 +23,8 @@ class Router:
     do not depend on what earlier blocks with the same configuration ran.
     """
 
-    def __init__(self, find, registry, order=None):
+    def __init__(self, find, registry):
         self._find, self._registry = find, registry
-        self._order = order  # a TraceOrder: the loops a block never traced are numbered as if it had
         # (path, kind, top) -> (registry generation, weakref(receiver), path):
         # a hop's route is looked up once per change of the active blocks
         self._routes = {}
@@ -56,12 +57,12 @@ class Router:
             return None, None
         if top is not None:
             first, sep, rest = path.partition("/")
-            sites = ctx._sites
-            if self._order is not None and len(top) == 2 and top not in sites:
-                for earlier in self._order.before.get(top, ()):  # (its trace's loops before it come first)
+            sites, provisional = ctx._sites, len(top) > 2 and top[2] == PROVISIONAL
+            if len(top) > 2 and not provisional and top[:2] not in sites:
+                for earlier in top[2]:  # a program this block never traced: its loops before this one first
                     sites.index(top[0], earlier)
             mine = f"{top[0]}[{sites.index(top[0], top[1])}]"
-            if mine != first or len(top) > 2:  # renamed, or a provisional loop's (where not asked yet)
+            if mine != first or provisional:  # renamed, or a provisional loop's (where not asked yet)
                 path = mine + sep + rest
                 where = ctx._plan.where
                 if where is not None and kind != "primitive" and not _safe_where(where, path):

@@ -42,35 +42,39 @@ class SiteIndex:
         return self._by_site[key]
 
 
+PROVISIONAL = "provisional"  # a top's third item: a custom rule's loop, numbered when its events arrive
+
+
 class TraceOrder:
-    """Which top-level loops each one's trace bound before it (per name).
+    """The top-level loops each program's trace bound before each one.
 
     A block that reuses a compilation an equal-options block traced never
     saw its untapped loops (one ``where`` excluded, say); numbering the
-    tapped ones as their events arrive would shift them. The router
-    numbers a loop's recorded predecessors first, so the block's
-    addresses are those it would give had it traced the program.
+    tapped ones as their events arrive would shift them. A loop's address
+    carries the sites its program bound before it (the third item of its
+    ``top``), and the router numbers those first, so the block's addresses
+    are those it would give had it traced the program.
 
     Example
     -------
     >>> order, t = TraceOrder(), object.__new__(type("T", (), {}))
-    >>> order.note("scan", "a.py:1", t); order.note("scan", "a.py:2", t)
-    >>> order.before[("scan", "a.py:2")]
-    ('a.py:1',)
+    >>> order.note("scan", "a.py:1", t), order.note("scan", "a.py:2", t), order.note("scan", "a.py:1", t)
+    ((), ('a.py:1',), ())
     """
 
     def __init__(self):
         self._seen = weakref.WeakKeyDictionary()  # trace -> {name: [sites in order]}
-        self.before: dict = {}  # (name, site) -> sites its trace bound before it (the first trace's)
 
-    def note(self, name, site, trace) -> None:
+    def note(self, name, site, trace):
+        """The sites of ``name`` loops ``trace`` bound before ``site`` (None
+        where the trace cannot be told apart)."""
         try:
             sites = self._seen.setdefault(trace, {}).setdefault(name, [])
         except TypeError:  # a trace without weak references: arrival order, as before
-            return
+            return None
         if site not in sites:
-            self.before.setdefault((name, site), tuple(sites))
             sites.append(site)
+        return tuple(sites[:sites.index(site)])
 
 
 class Counter:
@@ -95,7 +99,7 @@ class Scope:
     """Where the walk is: address prefix, numbering, innermost loop's step."""
 
     __slots__ = ("prefix", "counter", "in_loop", "step", "total", "top", "differentiable", "side", "lane_running",
-                 "backward", "recomputing", "sample_offset", "provisional")
+                 "backward", "recomputing", "sample_offset", "provisional", "before")
 
     def __init__(self, prefix, counter, in_loop, step, total, top=None, differentiable=True, side=None):
         self.prefix = prefix
@@ -123,14 +127,18 @@ class Scope:
         # in a custom_jvp/custom_vjp body: its top-level index is fixed only
         # when its events arrive (_routing.Router), so `where` is asked there
         self.provisional = False
+        self.before = None  # a top scope's: the sites its program bound before this loop (TraceOrder)
 
     def address(self, name, site):
         """(path, top) of the next `name` node at this level."""
         seg = f"{name}[{self.counter.index(name, site)}]"
         if self.prefix:
             return f"{self.prefix}/{seg}", self.top
-        # (a provisional top says so: the host asks `where` of its final path)
-        return seg, ((name, site, "provisional") if self.provisional else (name, site))
+        # (a provisional top says so: the host asks `where` of its final path;
+        # otherwise it names the loops its program bound before it: TraceOrder)
+        if self.provisional:
+            return seg, (name, site, PROVISIONAL)
+        return seg, ((name, site) if self.before is None else (name, site, self.before))
 
     def child(self, prefix, counter, step, total, top, in_loop=True, differentiable=None, side=None, backward=None):
         child = Scope(prefix, counter, in_loop, step, total, top,

@@ -62,14 +62,16 @@ class Walker:
         self.buffers = plan.flush_every is not None
 
     # -------------------------------------------------------------- decisions
-    def top_scope(self, sites=None, provisional=False):
+    def top_scope(self, sites=None, provisional=False, before=None):
         """The walk's outermost scope; ``sites``: number top-level loops there
         instead of in the walker's own index (a provisional scope: a
         custom rule's body, whose loops are numbered when their events
         arrive). ``provisional``: the walker numbers this top-level loop
-        otherwise than the block does (see ``_lens._intercept``)."""
+        otherwise than the block does (see ``_lens._intercept``). ``before``:
+        the sites its program bound before it (``_scope.TraceOrder``)."""
         scope = Scope("", self.sites if sites is None else sites, False, None, 1)
         scope.provisional = provisional or sites is not None
+        scope.before = before
         return scope
 
     def loop_wants(self, kind, path, provisional=False):

@@ -307,8 +307,17 @@ def bound_by_transpose() -> bool:
 
 
 def current_trace():
-    """The trace a primitive bound now is staged into (its identity only)."""
-    return _core.trace_ctx.trace
+    """The outermost jit trace a primitive bound now is staged into (its
+    identity only): a loop in a nested jit, a ``cond`` branch, a ``vmap``
+    or a derivative of one program shares its program's trace."""
+    trace = outer = _core.trace_ctx.trace
+    seen = 0
+    while trace is not None and seen < 1000:
+        seen += 1
+        if isinstance(trace, _pe.DynamicJaxprTrace):
+            outer = trace
+        trace = getattr(trace, "parent_trace", None)
+    return outer
 
 
 def barrier_here():

@@ -46,14 +46,16 @@ PROVISIONAL = "provisional"  # a top's third item: a custom rule's loop, numbere
 
 
 class TraceOrder:
-    """The top-level loops each program's trace bound before each one.
+    """The top-level loops each jaxpr's trace bound before each one.
 
     A block that reuses a compilation an equal-options block traced never
     saw its untapped loops (one ``where`` excluded, say); numbering the
     tapped ones as their events arrive would shift them. A loop's address
-    carries the sites its program bound before it (the third item of its
-    ``top``), and the router numbers those first, so the block's addresses
-    are those it would give had it traced the program.
+    carries the sites its jaxpr bound before it (the third item of its
+    ``top``; ``_seam.current_trace`` says which trace: a nested jit's or a
+    cond branch's own, as JAX caches those), and the router numbers those
+    first, so the block's addresses are those it would give had it traced
+    the program.
 
     Example
     -------

@@ -307,17 +307,18 @@ def bound_by_transpose() -> bool:
 
 
 def current_trace():
-    """The outermost jit trace a primitive bound now is staged into (its
-    identity only): a loop in a nested jit, a ``cond`` branch, a ``vmap``
-    or a derivative of one program shares its program's trace."""
-    trace = outer = _core.trace_ctx.trace
+    """The innermost jaxpr trace a primitive bound now is staged into (its
+    identity only): a loop under a ``vmap`` or a derivative shares its
+    jaxpr's trace. Not further out: a nested jit's or a ``cond`` branch's
+    jaxpr is cached, and reused in other programs as it was traced."""
+    trace = current = _core.trace_ctx.trace
     seen = 0
     while trace is not None and seen < 1000:
         seen += 1
         if isinstance(trace, _pe.DynamicJaxprTrace):
-            outer = trace
+            return trace
         trace = getattr(trace, "parent_trace", None)
-    return outer
+    return current
 
 
 def barrier_here():

@@ -453,11 +453,12 @@ def _intercept(prim, handler, ctx, args, params):
     provisional = _seam.in_custom_body_trace(ctx.barrier)
     path, renamed, before = None, False, None
     kind = "scan" if prim is _seam.scan_p else "while"
+    eager = _seam.evaluating_eagerly()
     if not provisional:
         info = _seam.backward_info(params) if ctx._plan.backward and kind == "scan" else None
         key = _seam.loop_site(prim, params, site) if info is None else info.forward_site  # a backward twin's
         index = ctx._sites.index(kind, key)
-        if not _seam.evaluating_eagerly():  # (an eager loop is numbered by every block that runs it)
+        if not eager:  # (an eager loop is numbered by every block that runs it)
             before = ctx._token.order.note(kind, key, _seam.current_trace())
         path = f"{kind}[{index}]"
         # the walker numbers top-level loops for every block with these options;
@@ -471,7 +472,7 @@ def _intercept(prim, handler, ctx, args, params):
     with _seam.quiet():
         try:
             ctx._names_seen.update(tappable_names(_seam.loop_body(prim, params).jaxpr))
-            if _seam.evaluating_eagerly():
+            if eager:
                 return _run_eagerly(_eager_tapped(walker, prim, handler, params, site, renamed), args)
             with _seam.loop_scope(), shard_mode(walker.plan):
                 scope = walker.top_scope(SiteIndex() if provisional else None, renamed, before)

@@ -372,6 +372,25 @@ def test_timeline_without_times_has_the_spans_only(tmp_path):
     assert [e for e in validate_timeline(tmp_path / "t.json") if e["ph"] != "M"] == []
 
 
+def test_timeline_of_a_users_own_recorder_given_as_on_step(tmp_path):
+    # timeline=True keeps arrival times in the block's recorder and in a
+    # FlightRecorder the user passes as on_step (its timeline() needs them)
+    mine, theirs = tap.FlightRecorder(), tap.FlightRecorder()
+    with tap.record(timeline=True, on_step=mine, select=lambda leaves: ()) as rec:
+        jax.jit(make_nested())(1.0)
+    with tap.record(on_step=theirs, select=lambda leaves: ()):  # no timeline: no times kept
+        jax.jit(make_nested())(1.0)
+    for r, name in ((rec, "block"), (mine, "mine"), (theirs, "theirs")):
+        r.timeline(tmp_path / f"{name}.json")
+    counters = {n: [e for e in validate_timeline(tmp_path / f"{n}.json") if e["ph"] == "C"] for n in ("block", "mine", "theirs")}
+    assert len(mine) == len(rec) > 0 and len(counters["mine"]) == len(counters["block"]) > 0
+    assert counters["theirs"] == []
+    g = tap.verbose(make_nested(), on_step=(own := tap.FlightRecorder()), timeline=True, select=lambda leaves: ())
+    g(1.0)
+    own.timeline(tmp_path / "verbose.json")
+    assert len(own) > 0 and [e for e in validate_timeline(tmp_path / "verbose.json") if e["ph"] == "C"]
+
+
 # ------------------------------------------------------------------------ CLI
 STORM = textwrap.dedent("""
     import jax, jax.numpy as jnp

@@ -98,8 +98,12 @@ def _warn_disabled():
 def configure(config: Config, recorder=None, with_form=False):
     """(plan, consumers, primitive consumers, time taps) of a configuration."""
     c = config
-    if recorder is not None and (c.timeline or c.time_taps):
-        recorder.keep_times()  # before the consumers take its appender
+    if c.timeline or c.time_taps:
+        # before the consumers take its appender; a user's own recorder given
+        # as on_step keeps them too (its timeline() places events by them)
+        for keeper in (recorder, c.on_step):
+            if callable(getattr(keeper, "keep_times", None)):
+                keeper.keep_times()
     consumers = Consumers(c.on_step, c.alert, c.alert_once, recorder=recorder,
                           on_ys=c.on_ys, alert_ys=c.alert_ys, alert_ys_once=c.alert_ys_once)
     emit_ys = consumers.observes_ys or (c.select_ys is not None and recorder is not None)

@@ -706,3 +706,32 @@ def test_a_consumer_exception_that_cannot_be_printed():
     """)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "5.0 5 ['jax-tap: the on_step callback consumer raised Evil (its mess']"
+
+
+
+WRAP_SCRIPT = """
+import numpy as np, jax, jax.numpy as jnp, jaxtap as tap
+from jaxtap import _driver
+_driver._FIRST_STEP = np.int32(2**31 - {before})  # as if {before} steps before the int32 wrap
+def f(x):
+    return jax.lax.while_loop(lambda c: c[0] < 12, lambda c: (c[0] + 1, c[1] * 1.01 + 0.5), (0, x))
+plain = jax.jit(f)(jnp.float32(1.0))
+with tap.record(sample_every={every}, flush_every={flush}) as rec:
+    out = jax.jit(f)(jnp.float32(1.0))
+assert np.asarray(out[1]).tobytes() == np.asarray(plain[1]).tobytes()
+print([(e.step, int(e.value[0])) for e in rec.events])
+"""
+
+
+@pytest.mark.parametrize("every,flush", [(1, None), (3, None), (1, 4), (5, 4)])
+def test_a_while_loop_crossing_the_int32_step_wrap_finishes(every, flush):
+    # steps count in int32; a loop past 2**31-1 steps hung (its next stop
+    # overflowed) or lost the step at the wrap. Started 5 steps before the
+    # wrap: it finishes, bitwise, and each sampled step arrives once, steps
+    # numbered modulo 2**32 (negative past the wrap; sample_every counts there)
+    proc = run_python(WRAP_SCRIPT.format(before=5, every=every, flush=flush), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with np.errstate(over="ignore"):
+        steps = np.int32(2**31 - 5) + np.arange(12, dtype=np.int32)
+    want = [(int(s), c + 1) for c, s in enumerate(steps) if np.fmod(s, every) == 0]
+    assert proc.stdout.strip() == str(want)

@@ -18,13 +18,35 @@ from ._emit import Block, Buffer, emit
 from ._rules import both as _both, one as _one
 
 
-def _next_stop(i, k, offset=0):
-    """One past the next sampled step (steps offset, offset+k, ... are
-    sampled; 0 <= offset < k)."""
-    if offset:
-        i = lax.sub(i, np.int32(offset))
-    stop = lax.add(lax.mul(lax.div(lax.add(i, lax.sub(k, _one())), k), k), _one())
-    return lax.add(stop, np.int32(offset)) if offset else stop
+def _next_stop(i, k, offset=0, wraps=False):
+    """One past the next sampled step at or after ``i`` (steps offset,
+    offset+k, ... are sampled; 0 <= offset < k).
+
+    ``wraps`` (a while loop, which may run past 2**31-1 steps): the stop is
+    ``i`` plus a distance in 1..k, so it wraps with ``i`` (the runner
+    compares ``i - stop``) instead of overflowing on its own. A scan's
+    steps fit int32 and keep the plain formula (the same value: other ops
+    would move XLA's schedule, which alone orders a scan's forward events
+    before its backward ones, see ``tests/test_backward.py``).
+    """
+    if not wraps:
+        if offset:
+            i = lax.sub(i, np.int32(offset))
+        stop = lax.add(lax.mul(lax.div(lax.add(i, lax.sub(k, _one())), k), k), _one())
+        return lax.add(stop, np.int32(offset)) if offset else stop
+    gap = lax.rem(lax.sub(np.int32(offset), i), k)  # in (-k, k)
+    gap = lax.select(lax.lt(gap, np.int32(0)), lax.add(gap, k), gap)
+    return lax.add(i, lax.add(gap, _one()))
+
+
+def _ran(ran, i):
+    """Did the runner run a step (``ran`` past ``i``, modulo 2**32)?"""
+    return lax.gt(lax.sub(ran, i), np.int32(0))
+
+
+# The step a while loop's driver counts from: 0 (tests start it just below
+# 2**31 to cross the int32 wrap in a few steps)
+_FIRST_STEP = np.int32(0)
 
 
 class Runner(NamedTuple):
@@ -75,16 +97,16 @@ class Runner(NamedTuple):
         # every == 1: the driver calls only while the loop goes on, so the
         # runner runs exactly step i; k stays a run-time 1, so the runner's
         # trip count is not provable (XLA would inline it into the driver)
-        stop = lax.add(i, k) if one_step else _next_stop(i, k, self.offset)
+        stop = lax.add(i, k) if one_step else _next_stop(i, k, self.offset, wraps=self.total is None)
         ran, st2 = self.run_until(i, stop, state)
         last = lax.sub(ran, _one())
         if one_step:
             # a while loop batched by a vmap applied later runs its driver
             # while any lane goes on: a finished lane's runner runs no step
             # and that lane emits nothing (its i2 is discarded by the batching)
-            return stop, list(st2), last, (None if self.uniform else lax.gt(ran, i))
+            return stop, list(st2), last, (None if self.uniform else _ran(ran, i))
         since = lax.sub(last, np.int32(self.offset)) if self.offset else last
-        sampled = lax.bitwise_and(lax.gt(ran, i), lax.eq(lax.rem(since, k), np.int32(0)))
+        sampled = lax.bitwise_and(_ran(ran, i), lax.eq(lax.rem(since, k), np.int32(0)))
         # a scan's runner reaches min(stop, total); every == 0: read it out of the runner
         i2 = ran if self.total is None or not self.every else lax.min(stop, np.int32(self.total))
         return i2, list(st2), last, sampled
@@ -205,7 +227,7 @@ def _drive_while(walker, metas, payloads, runner, k0, lane_running):
              when=_both(sampled, lane_running), gate_on_host=one_step)
         return (i2, s.k, runner.goes_on(i2, st2), *st2)
 
-    start = np.int32(0)
+    start = _FIRST_STEP
     out = _seam.while_loop(_goes_on, d_body, (start, k0, runner.goes_on(start, runner.state), *runner.state))
     return list(out[3:])
 
@@ -246,7 +268,7 @@ def _drive_buffered(walker, metas, payloads, runner, k0, lane_running, nested=Fa
     # a buffer bigger than _BUFFER_BYTES flushes sooner than asked (a while
     # loop's length is unknown, and K=10**9 must not allocate 10**9 rows)
     flush = buf.capacity = max(1, min(flush, _BUFFER_BYTES // max(1, buf.row_bytes())))
-    start = np.int32(0)
+    start = _FIRST_STEP
     out = _seam.while_loop(_goes_on, d_body, (start, k0, goes_on(start, runner.state), *runner.state))
     st = list(out[3:])
     return runner.finish(out[0], st, every) if runner.uniform else st

@@ -352,8 +352,8 @@ class _WhileRewrite:
         ncarry = len(self.init)
 
         def run_until(i, stop, state):
-            def r_cond(s):
-                return lax.bitwise_and(self.user_cond(s[2:2 + ncarry]), lax.lt(s[0], s[1]))
+            def r_cond(s):  # i < stop, modulo 2**32 (see _driver._next_stop)
+                return lax.bitwise_and(self.user_cond(s[2:2 + ncarry]), lax.lt(lax.sub(s[0], s[1]), np.int32(0)))
 
             def r_body(s):
                 return (lax.add(s[0], _one()), s[1], *self.step(s[0], s[2:2 + ncarry]))

@@ -14,6 +14,7 @@ import inspect
 from typing import Callable, Optional, Sequence, Union
 
 from . import _seam
+from ._collectors import FlightRecorder
 from ._host import Consumers, warn_once_now
 from ._lens import CallScope, Token, interception_unavailable
 from ._options import Config, PrimTap, build_plan
@@ -102,7 +103,7 @@ def configure(config: Config, recorder=None, with_form=False):
         # before the consumers take its appender; a user's own recorder given
         # as on_step keeps them too (its timeline() places events by them)
         for keeper in (recorder, c.on_step):
-            if callable(getattr(keeper, "keep_times", None)):
+            if isinstance(keeper, FlightRecorder):  # (never ask a user object's attributes)
                 keeper.keep_times()
     consumers = Consumers(c.on_step, c.alert, c.alert_once, recorder=recorder,
                           on_ys=c.on_ys, alert_ys=c.alert_ys, alert_ys_once=c.alert_ys_once)

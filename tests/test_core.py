@@ -708,7 +708,6 @@ def test_a_consumer_exception_that_cannot_be_printed():
     assert proc.stdout.strip() == "5.0 5 ['jax-tap: the on_step callback consumer raised Evil (its mess']"
 
 
-
 WRAP_SCRIPT = """
 import numpy as np, jax, jax.numpy as jnp, jaxtap as tap
 from jaxtap import _driver

@@ -5,6 +5,7 @@ that every arm pays its own first-call compilation.
     python bench/real_program.py            # all arms, 1 repeat each
     python bench/real_program.py --cache    # also: JAX's persistent compilation cache, warm, tapped vs not
     python bench/real_program.py --first-call   # a BlackJAX window adaptation alone, 3 repeats (median)
+    python bench/real_program.py --repeats 5 --arms defaults   # plain and the defaults, 5 interleaved rounds
 
 Reports wall time per arm and its ratio to the plain program measured in the
 same run (the with-block and the run; then, apart, the time to read every
@@ -137,16 +138,26 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--cache", action="store_true", help="also measure the persistent compilation cache")
     ap.add_argument("--first-call", action="store_true", help="a window adaptation alone: first-call cost")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run the arms interleaved this many times; report each arm's median (and each round's ratio)")
+    ap.add_argument("--arms", default="",
+                    help="comma-separated substrings: only the arms whose names hold one (plain always runs)")
     a = ap.parse_args(argv)
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     if a.first_call:
         first_calls(env)
         return
-    rows, plain = [], None
-    for name, options in ARMS.items():
-        r = run_arm(options, env)
-        plain = r["wall"] if options is None else plain
-        rows.append((name, r["wall"], r["events"], r["out"], r["read"]))
+    wanted = [w.strip() for w in a.arms.split(",") if w.strip()]
+    arms = {n: o for n, o in ARMS.items() if o is None or not wanted or any(w in n for w in wanted)}
+    runs = {name: [] for name in arms}
+    for _ in range(a.repeats):  # interleaved: a slow minute of the machine hits every arm alike
+        for name, options in arms.items():
+            runs[name].append(run_arm(options, env))
+    rows = []
+    for name, rs in runs.items():
+        mid = sorted(rs, key=lambda r: r["wall"])[len(rs) // 2]
+        rows.append((name, mid["wall"], mid["events"], mid["out"], mid["read"], [r["wall"] for r in rs]))
+    plain_walls = rows[0][5]
     if a.cache:
         with tempfile.TemporaryDirectory() as d:
             cenv = dict(env, JAX_COMPILATION_CACHE_DIR=d, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
@@ -155,10 +166,14 @@ def main(argv=None):
                                   ("record(select=lambda _: ()), persistent cache warm", "select=lambda _: ()")):
                 run_arm(options, cenv)  # fills the cache
                 r = run_arm(options, cenv)
-                rows.append((name, r["wall"], r["events"], r["out"], r["read"]))
+                rows.append((name, r["wall"], r["events"], r["out"], r["read"], [r["wall"]]))
+    plain = rows[0][1]
     print(f"{'arm':<52} {'wall s':>7} {'x plain':>8} {'events':>7} {'read s':>7}")
-    for name, wall, events, out, read in rows:
+    for name, wall, events, out, read, walls in rows:
         print(f"{name:<52} {wall:7.2f} {wall / plain:8.2f} {events:7d} {read:7.2f}   out={out}")
+        if len(walls) > 1 and len(walls) == len(plain_walls):
+            print(f"{'':<52} each round x that round's plain: "
+                  + " / ".join(f"{w / p:.2f}" for w, p in zip(walls, plain_walls)))
     outs = {tuple(r[3]) for r in rows}
     print("identical outputs across arms:", len(outs) == 1)
 

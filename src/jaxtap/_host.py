@@ -8,7 +8,6 @@ under ``python -W error``). One exception passes: ``KeyboardInterrupt``
 """
 from __future__ import annotations
 
-import signal
 import sys
 import threading
 import warnings
@@ -41,42 +40,40 @@ def pass_interrupt(exc: BaseException) -> None:
 
 
 class _SigintWatch:
-    """Ctrl-C seen while a block is active on the main thread.
+    """A Ctrl-C that Python dropped while a block was active.
 
-    Python's own handler raises ``KeyboardInterrupt`` at the next bytecode,
-    which can be inside a garbage-collection callback that a hop's
-    allocations trigger, where Python drops it. So while a block is active
-    (and Python's default handler is the one installed) a handler of ours
-    notes the signal first; the next hop, or the block's exit, raises it if
-    it was lost. A handler of the user's own is left alone.
+    Python raises ``KeyboardInterrupt`` at the next bytecode, which can be
+    inside a garbage-collection callback that a hop's allocations trigger
+    (JAX's ``_xla_gc_callback``) or a finalizer, where Python drops it and
+    hands it to ``sys.unraisablehook`` ("Exception ignored"). While a block
+    is active, a hook of ours notes such a drop (then calls the hook it
+    replaced); the next hop, or the block's exit, raises it. An interrupt
+    that reached the user's code is the user's: never raised again. No
+    signal handler is touched.
     """
 
     lock = threading.Lock()
     depth = 0
-    installed = False
+    replaced = None  # the unraisable hook ours wraps, while installed
     pending = False
 
 
 _SIGINT = _SigintWatch()
 
 
-def _on_sigint(signum, frame):
-    _SIGINT.pending = True
-    signal.default_int_handler(signum, frame)
+def _on_unraisable(unraisable) -> None:
+    if isinstance(getattr(unraisable, "exc_value", None), KeyboardInterrupt):
+        _SIGINT.pending = True
+    replaced = _SIGINT.replaced or sys.__unraisablehook__
+    replaced(unraisable)
 
 
 def watch_interrupts() -> None:
     """A block begins (see :class:`_SigintWatch`); pair with :func:`unwatch_interrupts`."""
     with _SIGINT.lock:
         _SIGINT.depth += 1
-        if _SIGINT.depth > 1 or threading.current_thread() is not threading.main_thread():
-            return
-        try:
-            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-                signal.signal(signal.SIGINT, _on_sigint)
-                _SIGINT.installed = True
-        except Exception:  # noqa: BLE001 - an embedded interpreter may not allow it: watch nothing
-            pass
+        if _SIGINT.depth == 1 and sys.unraisablehook is not _on_unraisable:
+            _SIGINT.replaced, sys.unraisablehook = sys.unraisablehook, _on_unraisable
 
 
 def unwatch_interrupts(exc: Optional[BaseException]) -> Optional[KeyboardInterrupt]:
@@ -84,16 +81,12 @@ def unwatch_interrupts(exc: Optional[BaseException]) -> Optional[KeyboardInterru
     clean exit, one whose ``KeyboardInterrupt`` Python dropped), or None."""
     with _SIGINT.lock:
         _SIGINT.depth = max(0, _SIGINT.depth - 1)
-        if _SIGINT.depth == 0 and _SIGINT.installed:
-            _SIGINT.installed = False
-            try:
-                if signal.getsignal(signal.SIGINT) is _on_sigint:
-                    signal.signal(signal.SIGINT, signal.default_int_handler)
-            except Exception:  # noqa: BLE001
-                pass
         lost = _SIGINT.pending and _SIGINT.depth == 0
         if _SIGINT.depth == 0:
             _SIGINT.pending = False
+            if sys.unraisablehook is _on_unraisable:  # (a hook set since then is the user's: kept)
+                sys.unraisablehook = _SIGINT.replaced or sys.__unraisablehook__
+            _SIGINT.replaced = None
     if isinstance(exc, KeyboardInterrupt):
         return None
     if exc is None:
@@ -111,11 +104,19 @@ def raise_lost_interrupt() -> None:
 def interrupt_of(exc: Optional[BaseException]) -> Optional[KeyboardInterrupt]:
     """The ``KeyboardInterrupt`` a block raises in place of ``exc``, the
     runtime error XLA reports for a Ctrl-C that stopped a host callback
-    (jax-tap's or the user's own ``jax.debug.callback``); None otherwise."""
-    if exc is None or not isinstance(exc, Exception) or "KeyboardInterrupt" not in type(exc).__name__ + str(exc):
-        return None
+    (jax-tap's or the user's own ``jax.debug.callback``); None otherwise.
+
+    XLA's message ends with the callback's exception line: it must be a
+    bare ``KeyboardInterrupt`` (a user error that merely mentions one in
+    its message stays the user's error)."""
     from ._seam import RUNTIME_ERRORS  # (here: the seam's callbacks import this module)
-    return KeyboardInterrupt() if isinstance(exc, RUNTIME_ERRORS) else None
+    if not isinstance(exc, RUNTIME_ERRORS):
+        return None
+    try:
+        last = str(exc).rstrip().rsplit("\n", 1)[-1].strip()
+    except Exception:  # noqa: BLE001 - a message that cannot be read is not an interrupt's
+        return None
+    return KeyboardInterrupt() if last == "KeyboardInterrupt" or last.startswith("KeyboardInterrupt:") else None
 
 
 def explain(exc: Optional[BaseException]) -> None:

@@ -438,6 +438,31 @@ def test_totality_under_W_error_with_closed_stderr():
         "-W", "error",
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_stderr_whose_write_raises_system_exit_never_reaches_the_program():
+    # jax-tap's own lines ([tap] prints, warnings as lines) go to a stream
+    # that raises SystemExit (a wrapper aborting on a broken pipe): the
+    # untapped program never writes there, so the tapped one must run on.
+    proc = run_python(
+        """
+        import sys, jax, jax.numpy as jnp
+        import jaxtap as tap
+        class Stream:
+            def write(self, s): raise SystemExit("stream closed")
+            def flush(self): pass
+        f = lambda x: jax.lax.scan(lambda c, _: (jnp.sin(c) + 1.0, None), x, None, length=3)[0]
+        expected = f(jnp.float32(0.5))
+        real, sys.stderr = sys.stderr, Stream()
+        with tap.record(taps=[tap.print("sin")], on_step=lambda e: 1 / 0):
+            out = f(jnp.float32(0.5))
+        sys.stderr = real
+        print("SAME", float(out) == float(expected))
+        """,
+        "-W", "error",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "SAME True" in proc.stdout
     assert "SAME True" in proc.stdout
 
 

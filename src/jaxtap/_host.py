@@ -148,15 +148,16 @@ def _say(text: str, stream=None, end: str = "\n") -> None:
             return
         stream.write(text + end)
         stream.flush()
-    except Exception:  # noqa: BLE001 - a closed or broken stream must not disturb the program
-        pass
+    except BaseException as exc:  # noqa: BLE001 - a closed or broken stream (even one raising
+        pass_interrupt(exc)      # SystemExit) must not disturb the program; Ctrl-C is the user's
 
 
 def warn_once_now(message: str) -> None:
     """Issue a TapWarning; if warnings are errors, fall back to stderr."""
     try:
         warnings.warn(message, TapWarning, stacklevel=2)
-    except Exception:
+    except BaseException as exc:  # noqa: BLE001 - warnings are errors, or a showwarning that raises
+        pass_interrupt(exc)
         _say(f"[tap] warning: {message}")
 
 

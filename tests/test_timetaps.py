@@ -347,6 +347,12 @@ def test_timeline_holds_compile_spans_loop_counters_and_instants(tmp_path):
     # a span starts before the loop's first step arrives
     first_compile = min(e["ts"] for e in spans)
     assert first_compile < min(e["ts"] for e in events if e["ph"] == "C")
+    # a recorder of such a block pickles (its jit-event taps held the live
+    # block's sink), and its copy writes the same timeline
+    import pickle
+    back = pickle.loads(pickle.dumps(rec))
+    back.timeline(tmp_path / "back.trace.json")
+    assert validate_timeline(tmp_path / "back.trace.json") == events and len(back) == len(rec)
 
 
 def test_timeline_of_a_wrapper_keeps_every_call(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import types
 from typing import Iterator, List, Optional
 
 import numpy as np
@@ -84,6 +85,8 @@ class FlightRecorder:
         state["_blocks"] = sum(isinstance(item, TapBlock) for item in items)
         state["_extra"] = sum(len(item) - 1 for item in items if isinstance(item, TapBlock))
         state["_runs"] = 0
+        # the jit-event taps hold the live block's sink: only their spans pickle
+        state["_spans"] = None if self._spans is None else types.SimpleNamespace(spans=list(self._spans.spans))
         return state
 
     def _snapshot(self, times: bool = False):

@@ -733,6 +733,24 @@ def test_a_consumer_exception_that_cannot_be_printed():
     assert proc.stdout.strip() == "5.0 5 ['jax-tap: the on_step callback consumer raised Evil (its mess']"
 
 
+def test_a_failing_consumer_whose_attributes_raise_is_still_named_as_itself():
+    class Weird:
+        def __call__(self, e):
+            raise ValueError("consumer failure")
+
+        def __getattr__(self, name):
+            raise KeyError(name)
+
+    f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=3)[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tap.record(on_step=Weird()) as rec:
+            out = sync(f(jnp.float32(0)))
+    assert float(out) == 3.0 and len(rec) == 3
+    (message,) = [str(w.message) for w in caught if issubclass(w.category, tap.TapWarning)]
+    assert "the on_step callback" in message and "Weird object" in message and "ValueError: consumer failure" in message
+
+
 WRAP_SCRIPT = """
 import numpy as np, jax, jax.numpy as jnp, jaxtap as tap
 from jaxtap import _driver

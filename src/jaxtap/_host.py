@@ -140,6 +140,19 @@ def describe(exc: BaseException) -> str:
         return f"{type(exc).__name__} (its message could not be formatted)"
 
 
+def name_of(fn) -> str:
+    """A consumer's name for a warning, even for an object whose attribute
+    lookup or ``repr`` raises."""
+    for read in (lambda: getattr(fn, "__qualname__", None), lambda: repr(fn)):
+        try:
+            name = read()
+            if isinstance(name, str) and name:
+                return name
+        except BaseException as exc:  # noqa: BLE001 - a consumer's own failure, not ours
+            pass_interrupt(exc)
+    return f"<a {type(fn).__name__}>"
+
+
 def _say(text: str, stream=None, end: str = "\n") -> None:
     """Write ``text`` to ``stream`` (stderr as it is now); never raise."""
     try:
@@ -187,7 +200,7 @@ class Guard:
             if self._warned:
                 return
             self._warned = True
-        name = getattr(self.fn, "__qualname__", None) or repr(self.fn)
+        name = name_of(self.fn)
         warn_once_now(
             f"jax-tap: the {self.role} {name} raised {describe(exc)}. "
             "The program is unaffected; further failures of this consumer are silent."

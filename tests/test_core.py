@@ -367,6 +367,13 @@ def test_failing_select_says_it_was_the_select_with_shapes():
     assert info.value.__cause__ is None
 
 
+def test_a_select_result_jax_cannot_flatten_is_a_select_error_not_an_untapped_run():
+    f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=3)[0])
+    with pytest.raises(tap.TapSelectError, match="select.*cannot flatten.*scan\\[0\\].*keys sort"):
+        with tap.record(select=lambda leaves: {1: leaves[0], "a": leaves[0]}):
+            f(jnp.float32(0))
+
+
 # ------------------------------------------------------------------ totality
 class Unrebuildable:
     def __init__(self, v):

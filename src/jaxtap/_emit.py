@@ -112,10 +112,11 @@ def run_select(select, select_path, leaves, path, what="carry leaves"):
         return tuple(value) if what is not None else value
     try:
         if select_path == "keyword":
-            return select(value, path=path)
-        if select_path == "positional":
-            return select(value, path)
-        return select(value)
+            out = select(value, path=path)
+        elif select_path == "positional":
+            out = select(value, path)
+        else:
+            out = select(value)
     except Exception as exc:  # noqa: BLE001 - re-raised with context
         raise TapSelectError(
             f"jax-tap: your `select` failed while tracing the tap at {path!r}: "
@@ -124,6 +125,15 @@ def run_select(select, select_path, leaves, path, what="carry leaves"):
             "values, so use jnp operations, not Python control flow on their values):\n"
             f"{_describe([leaves] if what is None else leaves)}"
         ) from None
+    try:
+        jax.tree_util.tree_flatten(out)
+    except Exception as exc:  # noqa: BLE001 - re-raised with context
+        raise TapSelectError(
+            f"jax-tap: your `select` returned a value JAX cannot flatten at {path!r} "
+            f"({type(exc).__name__}: {exc}): return arrays in tuples, lists, or dicts whose keys "
+            "sort (all strings, or all numbers)."
+        ) from None
+    return out
 
 
 def _split_payload(value):

@@ -396,6 +396,20 @@ def test_select_result_the_host_cannot_rebuild_warns_once_and_changes_nothing():
     assert len([w for w in caught if issubclass(w.category, tap.TapWarning)]) == 1
 
 
+
+def test_each_block_of_equal_options_hears_of_a_select_it_cannot_rebuild():
+    # equal blocks share one compiled program and its guard: the second
+    # block must still warn (it records nothing either)
+    select = lambda leaves: Unrebuildable(leaves[0])  # noqa: E731
+    f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=4)[0])
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with tap.record(select=select) as rec:
+                sync(f(jnp.float32(0)))
+        assert len(rec) == 0
+        assert len([w for w in caught if issubclass(w.category, tap.TapWarning)]) == 1
+
 class _BadTruth:
     def __bool__(self):
         raise SystemExit("no truth")  # not an Exception

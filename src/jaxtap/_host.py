@@ -192,6 +192,11 @@ class Guard:
             self.failed(exc)
             return None
 
+    def rearm(self) -> None:
+        """Warn again at the next failure (a new block that shares this
+        guard with an earlier one of equal options)."""
+        self._warned = False
+
     def failed(self, exc: BaseException) -> None:
         """Warn once that the consumer raised ``exc`` (a Ctrl-C is re-raised:
         :func:`pass_interrupt`)."""

@@ -47,6 +47,7 @@ class TapContext:
             return self.recorder
         self._thread = threading.get_ident()
         self._token = _REGISTRY.token_for(self._plan, self._thread)
+        self._token.walker.sinks.guard.rearm()  # (shared by equal blocks: each one hears of a failure)
         self._active = True
         self._names_seen = set()
         self._sites = SiteIndex()

@@ -625,8 +625,9 @@ def test_a_block_exited_on_another_thread_leaves_later_blocks_their_events():
     holder = [g]
     del g
     t = threading.Thread(target=holder.clear)
-    t.start()
-    t.join()
+    with pytest.warns(tap.TapWarning, match="exited on another thread"):
+        t.start()
+        t.join()
     f(jnp.float32(0))  # outside any block (compiled under the stale token)
     with tap.record() as rec:
         f(jnp.float32(0))
@@ -1320,3 +1321,21 @@ def test_a_cached_nested_jit_keeps_its_own_order_in_every_program():
     with tap.record(select=select) as rec:
         second(1.0)
     assert sorted({(e.path, e.total) for e in rec.events}) == [("scan[0]", 4), ("scan[1]", 3)]
+
+
+def test_a_block_exited_on_another_thread_ends_with_a_warning():
+    ctx = tap.record()
+    ctx.__enter__()
+    jax.jit(scan_fn)(X0, XS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = threading.Thread(target=ctx.__exit__, args=(None, None, None))
+        t.start()
+        t.join()
+    assert _record.active_contexts() == 0
+    (message,) = [str(w.message) for w in caught if issubclass(w.category, tap.TapWarning)]
+    assert "exited on another thread" in message and "exit it on the thread that entered it" in message
+    with tap.record():  # this thread enters and exits another block: its compilations are clean again
+        pass
+    assert_clean()
+    assert not has_callback(jax.jit(scan_fn).lower(X0, XS).as_text())

@@ -7,7 +7,7 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 
 from . import _seam
 from ._collectors import FlightRecorder
-from ._host import explain, unwatch_interrupts, watch_interrupts
+from ._host import explain, unwatch_interrupts, warn_once_now, watch_interrupts
 from ._lens import _REGISTRY, SiteIndex, interception_unavailable
 from ._toolkit import warn_unmatched
 from ._options import Config, PrimTap
@@ -72,6 +72,11 @@ class TapContext:
             _REGISTRY.remove(self, self._thread)
             interrupt = unwatch_interrupts(exc)
             explain(exc)
+        if threading.get_ident() != self._thread:
+            warn_once_now("jax-tap: a tap.record() block was exited on another thread than the one that entered "
+                          "it; exit it on the thread that entered it. Functions that thread jitted inside the "
+                          "block keep their tapped compilations there (their events go nowhere) until it enters "
+                          "or exits another block.")
         if self._plan.prim_taps and self._names_seen:
             warn_unmatched(self._plan.prim_taps, self._names_seen)
         if interrupt is not None:  # a Ctrl-C stopped the run: say it as Python would

@@ -601,14 +601,24 @@ def test_read_jsonl_keeps_bfloat16_bits(tmp_path):
     assert back.dtype == value.dtype and back.tobytes() == value.tobytes()
 
 
-def test_events_is_a_snapshot_with_or_without_maxlen():
+def test_events_reads_as_a_snapshot_and_edits_act_on_the_recorder():
+    # as 0.3.1's list attribute: an in-place edit acts on everything the
+    # recorder holds, events recorded after the list was read included
     for maxlen in (None, 5):
         rec = tap.FlightRecorder(maxlen=maxlen)
         rec(tap.TapEvent("scan[0]", 0, 1.0))
         snap = rec.events
         rec(tap.TapEvent("scan[0]", 1, 2.0))
+        assert len(snap) == 1 and len(rec.events) == 2  # a read is a snapshot
+        snap.append(tap.TapEvent("scan[0]", 2, 3.0))
+        assert [e.step for e in rec.events] == [0, 1, 2] == [e.step for e in snap]
+        rec(tap.TapEvent("scan[0]", 3, 4.0))
         snap.clear()
-        assert len(snap) == 0 and len(rec.events) == 2
+        assert len(snap) == 0 and len(rec) == 0
+        mine = list(rec.events)  # a private copy never touches the recorder
+        rec(tap.TapEvent("scan[0]", 4, 5.0))
+        mine.clear()
+        assert len(rec) == 1
 
 
 def test_published_package_spellings_of_collectors_and_warnings():
@@ -634,6 +644,14 @@ def test_published_package_spellings_of_collectors_and_warnings():
         jax.block_until_ready(g(jnp.float32(0.0)))
         jax.effects_barrier()
         assert [e.step for e in rec.events] == [0, 1, 2][-kept:]  # the bound survives the assignment
+        # in-place edits write through, as to 0.3.1's list attribute
+        rec.events.clear()
+        assert len(rec) == 0
+        jax.block_until_ready(g(jnp.float32(0.0)))
+        jax.effects_barrier()
+        del rec.events[:1]
+        rec.events.append(rec.events[0])
+        assert [e.step for e in rec.events] == ([1, 2, 1] if kept == 3 else [2, 2]) and len(rec) == kept
 
 
 def test_df_one_element_tuple_is_the_value_column():

@@ -13,6 +13,47 @@ from ._blocks import RawRun, TapBlock, decode_kept, frame_columns
 from ._event import TAG_FIELDS, TapEvent
 
 
+class _EventList(list):
+    """A recorder's events as a list whose in-place edits act on the
+    recorder, as on 0.3.1's plain list attribute: an edit first takes in
+    the events recorded since the list was read, then writes the result
+    back. Reading it is a snapshot (its length does not grow by itself)."""
+
+    def __init__(self, recorder, events):
+        super().__init__(events)
+        self._recorder = recorder
+        self._held = len(recorder)
+
+    def _refresh(self):
+        if len(self._recorder) != self._held:
+            list.__setitem__(self, slice(None), self._recorder._listed())
+
+    def _written(self):
+        self._recorder.events = list(self)
+        self._held = len(self._recorder)
+
+    def __reduce__(self):  # pickles and copies as the plain list it shows
+        return list, (list(self),)
+
+
+def _write_through(name):
+    method = getattr(list, name)
+
+    def edit(self, *args, **kwargs):
+        self._refresh()
+        out = method(self, *args, **kwargs)
+        self._written()
+        return self if name.startswith("__i") else out
+
+    edit.__name__ = name
+    return edit
+
+
+for _name in ("append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse",
+              "__setitem__", "__delitem__", "__iadd__", "__imul__"):
+    setattr(_EventList, _name, _write_through(_name))
+
+
 class FlightRecorder:
     """Keeps TapEvents in arrival order; callable as an ``on_step``.
 
@@ -48,9 +89,13 @@ class FlightRecorder:
 
     @property
     def events(self) -> List[TapEvent]:
-        """The recorded events, oldest first (a list snapshot). Assignable,
-        as in jax-tap 0.3.1 (``rec.events = []`` clears the recorder).
-        Buffered blocks are kept as columns and become TapEvents here."""
+        """The recorded events, oldest first (a list). Assignable, and its
+        in-place edits (``rec.events.clear()``, ``del rec.events[:10]``)
+        write through to the recorder, as in jax-tap 0.3.1. Buffered blocks
+        are kept as columns and become TapEvents here."""
+        return _EventList(self, self._listed())
+
+    def _listed(self) -> list:
         items, blocks = self._items()
         if not blocks:
             return items
@@ -251,7 +296,7 @@ class FlightRecorder:
             return len(self._events) + self._extra
 
     def __iter__(self) -> Iterator[TapEvent]:
-        return iter(self.events)
+        return iter(self._listed())
 
     def __repr__(self) -> str:
         return f"FlightRecorder({len(self)} events)"

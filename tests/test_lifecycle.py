@@ -1339,3 +1339,36 @@ def test_a_block_exited_on_another_thread_ends_with_a_warning():
         pass
     assert_clean()
     assert not has_callback(jax.jit(scan_fn).lower(X0, XS).as_text())
+
+
+def test_jax_work_a_consumer_runs_is_never_tapped_nor_cached_as_the_blocks():
+    # an on_step that runs a jitted loop of its own: untapped (its events
+    # would call it again, without end), compiled as a clean program; the
+    # same function called by the program inside the block is tapped
+    g = jax.jit(lambda x: lax.while_loop(lambda c: c < 10.0, lambda c: c + 3.0, x))
+    f = jax.jit(lambda x: lax.scan(lambda c, _: (c + 1.0, None), x, None, length=2)[0])
+    seen = []
+
+    def on_step(e):
+        seen.append(float(g(jnp.float32(0.0))))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no consumer failure (a recursion) either
+        with tap.record(on_step=on_step) as rec:
+            out = f(jnp.float32(0.0)).block_until_ready()
+            g(jnp.float32(0.0)).block_until_ready()
+    assert float(out) == 2.0 and seen == [12.0] * 6  # one per event
+    assert [e.path for e in rec.events] == ["scan[0]", "scan[0]", "while[0]", "while[0]", "while[0]", "while[0]"]
+    assert_clean()
+
+    def opens_a_block(e):
+        with tap.record() as inner:
+            g(jnp.float32(0.0)).block_until_ready()
+        seen.append(len(inner))
+
+    seen.clear()
+    with pytest.warns(tap.TapWarning, match="entered inside a jax-tap consumer"):
+        with tap.record(on_step=opens_a_block) as rec:
+            f(jnp.float32(0.0)).block_until_ready()
+    assert seen == [0, 0] and len(rec) == 2
+    assert_clean()

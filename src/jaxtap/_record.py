@@ -45,6 +45,11 @@ class TapContext:
             )
         if interception_unavailable("the block"):
             return self.recorder
+        if _seam.BUSY.depth:  # inside a consumer (or jax-tap's own tracing): JAX work there is never tapped
+            warn_once_now("jax-tap: a tap.record() block entered inside a jax-tap consumer (an on_step, alert "
+                          "or on_block) records nothing: JAX work a consumer runs is never tapped. Open the "
+                          "block outside the consumer.")
+            return self.recorder
         self._thread = threading.get_ident()
         self._token = _REGISTRY.token_for(self._plan, self._thread)
         self._token.walker.sinks.guard.rearm()  # (shared by equal blocks: each one hears of a failure)

@@ -44,6 +44,7 @@ __all__ = [
     "thread_token",
     "token_state_in_trace_context",
     "BUSY",
+    "consumer_code",
     "quiet",
 ]
 
@@ -556,6 +557,24 @@ def token_state_in_trace_context(token) -> bool:
 class _Busy(threading.local):
     depth = 0
 BUSY = _Busy()
+
+
+class consumer_code:
+    """While a consumer (user code run by a hop) runs: JAX work it does is
+    never tapped (no recursion through its own events) and compiles as a
+    clean program, under the clean jit key (not cached as the block's)."""
+
+    __slots__ = ("prev",)
+
+    def __enter__(self):
+        BUSY.depth += 1
+        self.prev = TOKEN_STATE.swap_local(None) if TOKEN_STATE is not None else None
+
+    def __exit__(self, *exc):
+        if TOKEN_STATE is not None:
+            TOKEN_STATE.set_local(self.prev)
+        BUSY.depth -= 1
+        return False
 
 
 class quiet:

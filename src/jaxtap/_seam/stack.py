@@ -534,6 +534,7 @@ def set_thread_token(token) -> None:
     """This thread's token; None removes the thread's own value, so the
     thread sees the global one again."""
     TOKEN_STATE.set_local(_config.config_ext.unset if token is None else token)
+    BUSY.token_sets += 1
 
 
 def set_global_token(token) -> None:
@@ -556,6 +557,7 @@ def token_state_in_trace_context(token) -> bool:
 
 class _Busy(threading.local):
     depth = 0
+    token_sets = 0  # set_thread_token calls on this thread (see consumer_code)
 BUSY = _Busy()
 
 
@@ -564,14 +566,16 @@ class consumer_code:
     never tapped (no recursion through its own events) and compiles as a
     clean program, under the clean jit key (not cached as the block's)."""
 
-    __slots__ = ("prev",)
+    __slots__ = ("prev", "sets")
 
     def __enter__(self):
         BUSY.depth += 1
+        self.sets = BUSY.token_sets
         self.prev = TOKEN_STATE.swap_local(None) if TOKEN_STATE is not None else None
 
     def __exit__(self, *exc):
-        if TOKEN_STATE is not None:
+        # (unless the consumer set the thread's token itself: tap.emergency_restore())
+        if TOKEN_STATE is not None and BUSY.token_sets == self.sets:
             TOKEN_STATE.set_local(self.prev)
         BUSY.depth -= 1
         return False

@@ -1248,6 +1248,32 @@ def test_equal_options_reused_compilations_keep_each_programs_order():
     assert [(e.path, e.step) for e in alone.events] == [("scan[0]", 0), ("scan[0]", 1)]
 
 
+def test_equal_options_where_is_asked_of_the_blocks_own_address_when_it_traces():
+    """A block that numbers a program's loop otherwise than the walker its
+    equal-options blocks share (an earlier block ran another program) asks
+    `where` of its own address as it traces: the loops `where` leaves out
+    are left untouched on the device (they were all tapped before, and
+    their rounding could move), and the events are those of a fresh block."""
+    def warm(x):
+        return jax.lax.scan(lambda c, _: (c * 0.5, None), x, None, length=3)[0]
+
+    def nest(x):
+        def outer(c, _):
+            return jax.lax.scan(lambda d, _: (d + 1.0, None), c, None, length=2)[0] * 0.9, None
+        return jax.lax.scan(outer, x, None, length=3)[0]
+
+    where = lambda p: p == "scan[0]"  # noqa: E731 - equal options in both blocks
+    f = jax.jit(nest)
+    with tap.record(where=where):
+        jax.jit(warm)(jnp.float32(1.0))  # the walker numbers warm's loop 0
+    with tap.record(where=where) as rec:
+        hlo = f.lower(jnp.float32(1.0)).as_text()
+        out = f(jnp.float32(1.0))
+    assert hlo.count("stablehlo.custom_call") == 1  # the outer loop alone: before, the inner loop too
+    assert_bits(out, nest(jnp.float32(1.0)))
+    assert [(e.path, e.step) for e in rec.events] == [("scan[0]", 0), ("scan[0]", 1), ("scan[0]", 2)]
+
+
 _CACHED_SUBJAXPR = pytest.mark.xfail(
     strict=True, reason="known boundary (README, With-form and JAX's caches): a nested jit's or cond "
     "branch's jaxpr is cached and reused by other programs, so its loops' addresses carry only the loops "

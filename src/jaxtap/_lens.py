@@ -462,7 +462,9 @@ def _intercept(prim, handler, ctx, args, params):
             before = ctx._token.order.note(kind, key, _seam.current_trace())
         path = f"{kind}[{index}]"
         # the walker numbers top-level loops for every block with these options;
-        # where it names this one otherwise, `where` is asked on the host (_routing)
+        # where it names this one otherwise, the loop takes the block's own
+        # index (a later block that reuses the compilation and numbers it
+        # otherwise again has `where` asked on the host: _routing)
         renamed = walker.sites.peek(kind, key) != index
     times = getattr(ctx, "_times", None)
     if times is not None and times.trace_events:
@@ -473,9 +475,11 @@ def _intercept(prim, handler, ctx, args, params):
         try:
             ctx._names_seen.update(tappable_names(_seam.loop_body(prim, params).jaxpr))
             if eager:
-                return _run_eagerly(_eager_tapped(walker, prim, handler, params, site, renamed), args)
+                return _run_eagerly(_eager_tapped(walker, prim, handler, params, site, index if renamed else None),
+                                    args)
             with _seam.loop_scope(), shard_mode(walker.plan):
-                scope = walker.top_scope(SiteIndex() if provisional else None, renamed, before)
+                scope = walker.top_scope(SiteIndex() if provisional else None, before=before,
+                                         own=index if renamed else None)
                 return handler(walker, None, params, list(args), scope, site)
         except TapSelectError:
             raise
@@ -517,7 +521,7 @@ def _run_eagerly(fn, args):
         raise _ProgramFailed(exc) from None
 
 
-def _eager_tapped(walker, prim, handler, params, site, renamed=False):
+def _eager_tapped(walker, prim, handler, params, site, own=None):
     """The tapped loop as one jitted function, cached per loop equation.
 
     Eagerly JAX dispatches a loop as one compiled program, cached on its
@@ -526,14 +530,14 @@ def _eager_tapped(walker, prim, handler, params, site, renamed=False):
     again on every call."""
     cache = walker.eager
     try:
-        key = (prim, tuple(sorted(params.items())), site, renamed)
+        key = (prim, tuple(sorted(params.items())), site, own)
         fn = cache.get(key)
     except TypeError:  # unhashable parameters: compile this once
         key, fn = None, None
     if fn is None:
         def run(*args):
             with _seam.loop_scope(), shard_mode(walker.plan):
-                scope = walker.top_scope(provisional=renamed)  # (see _intercept)
+                scope = walker.top_scope(own=own)  # (see _intercept)
                 return handler(walker, None, params, list(args), scope, site)
 
         fn = jax.jit(run)

@@ -93,6 +93,25 @@ class TraceOrder:
         return SitesBefore(sites[:sites.index(site)])
 
 
+class OwnIndex:
+    """The numbering of a top scope whose one loop the block numbers
+    otherwise than the walker shared by equal-options blocks (it ran other
+    programs first): the loop takes the block's own index, so ``where`` is
+    asked of the block's address when the loop is traced."""
+
+    def __init__(self, index):
+        self._index = index
+
+    def index(self, name, site):
+        return self._index
+
+    def save(self):
+        return None
+
+    def restore(self, saved):
+        pass
+
+
 class Counter:
     """Nested addressing: indices count occurrences in program order."""
 

@@ -17,7 +17,7 @@ from . import _seam
 from ._cotangents import cotangent_select
 from ._emit import CarryLeaves, Meta, Side, TapSelectError, emit, finite_flag, run_select
 from ._options import Plan, PrimTap
-from ._scope import Counter, Scope, SiteIndex
+from ._scope import Counter, OwnIndex, Scope, SiteIndex
 from ._rules import RULES, observed, register, ruled_names
 from ._rules import bind as _bind, bool_aval as _bool_aval, both as _both, int32_aval as _int32_aval
 
@@ -62,14 +62,16 @@ class Walker:
         self.buffers = plan.flush_every is not None
 
     # -------------------------------------------------------------- decisions
-    def top_scope(self, sites=None, provisional=False, before=None):
+    def top_scope(self, sites=None, provisional=False, before=None, own=None):
         """The walk's outermost scope; ``sites``: number top-level loops there
         instead of in the walker's own index (a provisional scope: a
         custom rule's body, whose loops are numbered when their events
-        arrive). ``provisional``: the walker numbers this top-level loop
-        otherwise than the block does (see ``_lens._intercept``). ``before``:
+        arrive). ``provisional``: ``where`` is asked on the host. ``own``:
+        the block's index for this scope's one top-level loop, where the
+        walker numbers it otherwise (see ``_lens._intercept``). ``before``:
         the sites its program bound before it (``_scope.TraceOrder``)."""
-        scope = Scope("", self.sites if sites is None else sites, False, None, 1)
+        counter = OwnIndex(own) if own is not None else (self.sites if sites is None else sites)
+        scope = Scope("", counter, False, None, 1)
         scope.provisional = provisional or sites is not None
         scope.before = before
         return scope

@@ -11,7 +11,7 @@ import pytest
 
 import jaxtap as tap
 
-from taputil import assert_bits, run_python, sync
+from taputil import assert_bits, cases, run_python, sync
 
 
 def scan_while(x0, xs):
@@ -485,6 +485,55 @@ def test_a_stderr_whose_write_raises_system_exit_never_reaches_the_program():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "SAME True" in proc.stdout
     assert "SAME True" in proc.stdout
+
+
+# ------------------------------------------------- short loops (a known gap)
+_SHORT_LOOP = ("known boundary (README, Short loops with a known trip count): XLA knows an untapped short "
+               "loop's trip count and compiles it otherwise than a runner, whose stop is a run-time value; "
+               "measured 1 ulp on this CPU", False)
+
+
+def _short_fori(x):
+    # a fori_loop with static bounds, a few steps, its counter in the arithmetic
+    def body(i, x):
+        return x * 0.97 + jnp.sin(x) * 0.05 + 0.3 * (jnp.sum(x) * 0.01 + i * 0.1)
+
+    return jax.lax.fori_loop(0, 5, body, x)
+
+
+def _one_trip_line_search(x):
+    # an outer while loop of one trip holding a backtracking line search
+    def rosen(x):
+        return jnp.sum(100.0 * (x[1:] - x[:-1] ** 2) ** 2 + (1 - x[:-1]) ** 2)
+
+    def body(c):
+        p, it = c
+        v, g = jax.value_and_grad(rosen)(p)
+
+        def cond(s):
+            return (rosen(p - s[0] * g) > v - 1e-4 * s[0] * jnp.dot(g, g)) & (s[1] < 30)
+
+        t, _ = jax.lax.while_loop(cond, lambda s: (s[0] * 0.5, s[1] + 1), (jnp.float32(1.0), 0))
+        return p - t * g, it + 1
+
+    return jax.lax.while_loop(lambda c: c[1] < 1, body, (x, 0))[0]
+
+
+_SHORT = {"fori_5_steps": (_short_fori, jnp.linspace(0.1, 1.3, 6, dtype=jnp.float32).reshape(2, 3), {}),
+          "one_trip_outer_only": (_one_trip_line_search, jnp.array([-1.2, 1.0, 0.5, -0.3, 0.8]), {"max_depth": 0})}
+
+
+@pytest.mark.parametrize("name", list(cases({name: _SHORT_LOOP for name in _SHORT})))
+def test_short_jitted_loops_with_a_known_trip_count(name):
+    """Found by two helpers (a fuzzer; an optax L-BFGS of one iteration):
+    carry taps alone move these by an ulp under jit (eagerly, bitwise)."""
+    fn, x, cfg = _SHORT[name]
+    f = jax.jit(fn)
+    plain = f(x)
+    with tap.record(**cfg) as rec:
+        out = f(x)
+    assert len(rec) > 0
+    assert_bits(out, plain)
 
 
 # --------------------------------------------------------------------- vmap

@@ -187,8 +187,7 @@ class Guard:
 
     def __call__(self, x, top=None) -> Any:
         try:
-            with _seam.consumer_code():  # its own JAX work is never tapped
-                return self.fn(x)
+            return self.fn(x)
         except BaseException as exc:  # noqa: BLE001 - totality: even sys.exit in a consumer
             self.failed(exc)
             return None
@@ -383,8 +382,7 @@ def _columns_sink(alert, recorder, consumer):
                 pass
         if on_block is not None:
             try:
-                with _seam.consumer_code():
-                    on_block(block)
+                on_block(block)
             except BaseException as exc:  # noqa: BLE001 - totality, as Guard
                 guard.failed(exc)
 
@@ -440,7 +438,3 @@ def _event_sink(alert, recorder, consumer):
 def _nothing(event, top=None):
     return None
 
-
-# (last: the seam's callbacks import this module while the seam loads; its
-# names are read when consumers run, never while both modules load)
-from . import _seam  # noqa: E402

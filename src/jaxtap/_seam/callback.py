@@ -36,6 +36,7 @@ import numpy as np
 
 from .._host import describe, pass_interrupt, raise_lost_interrupt, warn_once_now
 from .eqns import BYTES_NAME, HOP_NAME
+from .stack import consumer_code
 from .versions import internal
 
 __all__ = ["host_callback", "FAST_HOST_CALLBACK", "to_bytes"]
@@ -91,11 +92,12 @@ def _call(fn, args, cpu_default):
         _pin_thread()
     try:
         raise_lost_interrupt()
-        if cpu_default:  # a user consumer's jnp calls must not queue work on the waiting accelerator
-            with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        with consumer_code():  # a consumer's own JAX work is never tapped
+            if cpu_default:  # a user consumer's jnp calls must not queue work on the waiting accelerator
+                with jax.default_device(jax.local_devices(backend="cpu")[0]):
+                    fn(*args)
+            else:
                 fn(*args)
-        else:
-            fn(*args)
     except BaseException as exc:  # noqa: BLE001 - totality
         pass_interrupt(exc)  # a Ctrl-C stops the run
         warn_once_now(f"jax-tap: a host callback failed and was skipped: {describe(exc)}")

@@ -562,22 +562,34 @@ BUSY = _Busy()
 
 
 class consumer_code:
-    """While a consumer (user code run by a hop) runs: JAX work it does is
+    """While a hop's host side runs (jax-tap's delivery and the consumers it
+    calls: ``on_step``, alerts, ``on_block``): JAX work a consumer does is
     never tapped (no recursion through its own events) and compiles as a
-    clean program, under the clean jit key (not cached as the block's)."""
+    clean program, under the clean jit key (never cached as the block's).
+    Once per hop (``callback._call``), not per event.
+
+    Examples
+    --------
+    >>> from jaxtap import _seam
+    >>> with _seam.consumer_code():
+    ...     _seam.BUSY.depth > 0 and _seam.thread_token() is None
+    True
+    """
 
     __slots__ = ("prev", "sets")
 
     def __enter__(self):
-        BUSY.depth += 1
-        self.sets = BUSY.token_sets
+        busy = BUSY
+        busy.depth += 1
+        self.sets = busy.token_sets
         self.prev = TOKEN_STATE.swap_local(None) if TOKEN_STATE is not None else None
 
     def __exit__(self, *exc):
+        busy = BUSY
         # (unless the consumer set the thread's token itself: tap.emergency_restore())
-        if TOKEN_STATE is not None and BUSY.token_sets == self.sets:
+        if TOKEN_STATE is not None and busy.token_sets == self.sets:
             TOKEN_STATE.set_local(self.prev)
-        BUSY.depth -= 1
+        busy.depth -= 1
         return False
 
 

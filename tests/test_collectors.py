@@ -619,6 +619,15 @@ def test_events_reads_as_a_snapshot_and_edits_act_on_the_recorder():
         rec(tap.TapEvent("scan[0]", 4, 5.0))
         mine.clear()
         assert len(rec) == 1
+    # an edit acts on what the recorder holds now: evicted events stay gone
+    rec = tap.FlightRecorder(maxlen=3)
+    for step in range(3):
+        rec(tap.TapEvent("scan[0]", step, float(step)))
+    snap = rec.events
+    for step in range(3, 6):
+        rec(tap.TapEvent("scan[0]", step, float(step)))
+    snap.pop(0)
+    assert [e.step for e in rec.events] == [4, 5] == [e.step for e in snap]
 
 
 def test_published_package_spellings_of_collectors_and_warnings():

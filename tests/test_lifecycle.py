@@ -1398,3 +1398,39 @@ def test_jax_work_a_consumer_runs_is_never_tapped_nor_cached_as_the_blocks():
             f(jnp.float32(0.0)).block_until_ready()
     assert seen == [0, 0] and len(rec) == 2
     assert_clean()
+
+    # a wrapper called first by a consumer: untapped there, tapped when the program calls it
+    wrapped, wrapped_rec = tap.record(g)
+    with tap.record(on_step=lambda e: wrapped(jnp.float32(0.0))) as rec:
+        f(jnp.float32(0.0)).block_until_ready()
+    assert len(rec) == 2 and len(wrapped_rec) == 0
+    jax.block_until_ready(wrapped(jnp.float32(0.0)))
+    jax.effects_barrier()
+    assert [e.step for e in wrapped_rec.events] == [0, 1, 2, 3]
+    assert_clean()
+
+
+def test_the_unraisable_hook_chain_survives_a_save_and_restore_around_a_block():
+    # a hook that saved ours while a block was active and restores it after
+    # the block: ours then forwards to the user's hook and raises nothing
+    out = run_python("""
+        import gc, sys, jax, jax.numpy as jnp, jaxtap as tap
+        seen = []
+        sys.unraisablehook = mine = lambda u: seen.append(type(u.exc_value).__name__)
+        loop = jax.jit(lambda x: jax.lax.fori_loop(0, 3, lambda i, c: c + 1.0, x))
+        ctx = tap.record()
+        ctx.__enter__()
+        saved = sys.unraisablehook
+        sys.unraisablehook = lambda u: saved(u)
+        ctx.__exit__(None, None, None)
+        sys.unraisablehook = saved
+        class Dropper:
+            def __del__(self):
+                raise KeyboardInterrupt
+        Dropper(); gc.collect()
+        with tap.record() as rec:
+            jax.block_until_ready(loop(jnp.float32(0)))
+        print(seen, len(rec), sys.unraisablehook is mine)
+    """, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "['KeyboardInterrupt'] 3 True"

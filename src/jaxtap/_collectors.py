@@ -16,21 +16,19 @@ from ._event import TAG_FIELDS, TapEvent
 class _EventList(list):
     """A recorder's events as a list whose in-place edits act on the
     recorder, as on 0.3.1's plain list attribute: an edit first takes in
-    the events recorded since the list was read, then writes the result
-    back. Reading it is a snapshot (its length does not grow by itself)."""
+    what the recorder holds now (events recorded since the list was read
+    included, evicted ones gone), then writes the result back. Reading it
+    is a snapshot. Edit after a block, not while it records into the same
+    recorder: an event arriving during an edit can be lost, and an edit
+    drops the arrival times ``timeline()`` places runtime events by."""
 
     def __init__(self, recorder, events):
         super().__init__(events)
         self._recorder = recorder
-        self._held = len(recorder)
 
-    def _refresh(self):
-        if len(self._recorder) != self._held:
-            list.__setitem__(self, slice(None), self._recorder._listed())
-
-    def _written(self):
-        self._recorder.events = list(self)
-        self._held = len(self._recorder)
+    def clear(self):
+        self._recorder.clear()
+        list.clear(self)
 
     def __reduce__(self):  # pickles and copies as the plain list it shows
         return list, (list(self),)
@@ -40,16 +38,16 @@ def _write_through(name):
     method = getattr(list, name)
 
     def edit(self, *args, **kwargs):
-        self._refresh()
+        list.__setitem__(self, slice(None), self._recorder._listed())
         out = method(self, *args, **kwargs)
-        self._written()
+        self._recorder.events = list(self)
         return self if name.startswith("__i") else out
 
     edit.__name__ = name
     return edit
 
 
-for _name in ("append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse",
+for _name in ("append", "extend", "insert", "pop", "remove", "sort", "reverse",
               "__setitem__", "__delitem__", "__iadd__", "__imul__"):
     setattr(_EventList, _name, _write_through(_name))
 

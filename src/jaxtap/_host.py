@@ -54,7 +54,9 @@ class _SigintWatch:
 
     lock = threading.Lock()
     depth = 0
-    replaced = None  # the unraisable hook ours wraps, while installed
+    # the unraisable hook ours wraps; kept after the blocks end, for a
+    # save/restore elsewhere may put ours back, which must still forward there
+    replaced = None
     pending = False
 
 
@@ -62,7 +64,7 @@ _SIGINT = _SigintWatch()
 
 
 def _on_unraisable(unraisable) -> None:
-    if isinstance(getattr(unraisable, "exc_value", None), KeyboardInterrupt):
+    if _SIGINT.depth and isinstance(getattr(unraisable, "exc_value", None), KeyboardInterrupt):
         _SIGINT.pending = True
     replaced = _SIGINT.replaced or sys.__unraisablehook__
     replaced(unraisable)
@@ -86,7 +88,6 @@ def unwatch_interrupts(exc: Optional[BaseException]) -> Optional[KeyboardInterru
             _SIGINT.pending = False
             if sys.unraisablehook is _on_unraisable:  # (a hook set since then is the user's: kept)
                 sys.unraisablehook = _SIGINT.replaced or sys.__unraisablehook__
-            _SIGINT.replaced = None
     if isinstance(exc, KeyboardInterrupt):
         return None
     if exc is None:

@@ -59,6 +59,11 @@ class Tapped:
             return f(*args, **kwargs)  # op by op, as f would run: nothing to tap
         if interception_unavailable("f"):
             return f(*args, **kwargs)
+        if _seam.BUSY.depth:
+            # called by a consumer (or inside jax-tap's own tracing): its JAX
+            # work is never tapped, and under our token its untapped trace
+            # would be cached as the wrapper's
+            return f(*args, **kwargs)
         self._consumers.new_run()
         for p in self._prims:
             p.new_run()

@@ -36,7 +36,7 @@ import numpy as np
 
 from .._host import describe, pass_interrupt, raise_lost_interrupt, warn_once_now
 from .eqns import BYTES_NAME, HOP_NAME
-from .stack import consumer_code
+from .stack import BUSY, TOKEN_STATE
 from .versions import internal
 
 __all__ = ["host_callback", "FAST_HOST_CALLBACK", "to_bytes"]
@@ -82,6 +82,38 @@ def _pin_thread():
         ctypes.pythonapi.PyGILState_Ensure()
     except Exception:  # noqa: BLE001 - not CPython: calls stay correct, only slower
         pass
+
+
+class consumer_code:
+    """While a hop's host side runs (jax-tap's delivery and the consumers it
+    calls: ``on_step``, alerts, ``on_block``): JAX work a consumer does is
+    never tapped (no recursion through its own events) and compiles as a
+    clean program, under the clean jit key (never cached as the block's).
+    Once per hop (``callback._call``), not per event.
+
+    Examples
+    --------
+    >>> from jaxtap import _seam
+    >>> with _seam.callback.consumer_code():
+    ...     _seam.BUSY.depth > 0 and _seam.thread_token() is None
+    True
+    """
+
+    __slots__ = ("prev", "sets")
+
+    def __enter__(self):
+        busy = BUSY
+        busy.depth += 1
+        self.sets = busy.token_sets
+        self.prev = TOKEN_STATE.swap_local(None) if TOKEN_STATE is not None else None
+
+    def __exit__(self, *exc):
+        busy = BUSY
+        # (unless the consumer set the thread's token itself: tap.emergency_restore())
+        if TOKEN_STATE is not None and busy.token_sets == self.sets:
+            TOKEN_STATE.set_local(self.prev)
+        busy.depth -= 1
+        return False
 
 
 def _call(fn, args, cpu_default):

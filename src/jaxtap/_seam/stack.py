@@ -44,7 +44,6 @@ __all__ = [
     "thread_token",
     "token_state_in_trace_context",
     "BUSY",
-    "consumer_code",
     "quiet",
 ]
 
@@ -557,40 +556,8 @@ def token_state_in_trace_context(token) -> bool:
 
 class _Busy(threading.local):
     depth = 0
-    token_sets = 0  # set_thread_token calls on this thread (see consumer_code)
+    token_sets = 0  # set_thread_token calls on this thread (see callback.consumer_code)
 BUSY = _Busy()
-
-
-class consumer_code:
-    """While a hop's host side runs (jax-tap's delivery and the consumers it
-    calls: ``on_step``, alerts, ``on_block``): JAX work a consumer does is
-    never tapped (no recursion through its own events) and compiles as a
-    clean program, under the clean jit key (never cached as the block's).
-    Once per hop (``callback._call``), not per event.
-
-    Examples
-    --------
-    >>> from jaxtap import _seam
-    >>> with _seam.consumer_code():
-    ...     _seam.BUSY.depth > 0 and _seam.thread_token() is None
-    True
-    """
-
-    __slots__ = ("prev", "sets")
-
-    def __enter__(self):
-        busy = BUSY
-        busy.depth += 1
-        self.sets = busy.token_sets
-        self.prev = TOKEN_STATE.swap_local(None) if TOKEN_STATE is not None else None
-
-    def __exit__(self, *exc):
-        busy = BUSY
-        # (unless the consumer set the thread's token itself: tap.emergency_restore())
-        if TOKEN_STATE is not None and busy.token_sets == self.sets:
-            TOKEN_STATE.set_local(self.prev)
-        busy.depth -= 1
-        return False
 
 
 class quiet:

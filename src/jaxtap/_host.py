@@ -188,6 +188,7 @@ class Guard:
 
     def __call__(self, x, top=None) -> Any:
         try:
+            _seam.consumer_key()  # what a consumer compiles is never cached as the block's
             return self.fn(x)
         except BaseException as exc:  # noqa: BLE001 - totality: even sys.exit in a consumer
             self.failed(exc)
@@ -383,6 +384,7 @@ def _columns_sink(alert, recorder, consumer):
                 pass
         if on_block is not None:
             try:
+                _seam.consumer_key()
                 on_block(block)
             except BaseException as exc:  # noqa: BLE001 - totality, as Guard
                 guard.failed(exc)
@@ -439,3 +441,7 @@ def _event_sink(alert, recorder, consumer):
 def _nothing(event, top=None):
     return None
 
+
+# (last: the seam's callbacks import this module while the seam loads; its
+# names are read when consumers run, never while both modules load)
+from . import _seam  # noqa: E402

@@ -39,7 +39,7 @@ from .eqns import BYTES_NAME, HOP_NAME
 from .stack import BUSY, TOKEN_STATE
 from .versions import internal
 
-__all__ = ["host_callback", "FAST_HOST_CALLBACK", "to_bytes"]
+__all__ = ["host_callback", "FAST_HOST_CALLBACK", "to_bytes", "consumer_key"]
 
 _core = internal("jax._src.core")
 _debugging = internal("jax._src.debugging")
@@ -84,55 +84,54 @@ def _pin_thread():
         pass
 
 
-class consumer_code:
-    """While a hop's host side runs (jax-tap's delivery and the consumers it
-    calls: ``on_step``, alerts, ``on_block``): JAX work a consumer does is
-    never tapped (no recursion through its own events) and compiles as a
-    clean program, under the clean jit key (never cached as the block's).
-    Once per hop (``callback._call``), not per event.
-
-    Examples
-    --------
-    >>> from jaxtap import _seam
-    >>> with _seam.callback.consumer_code():
-    ...     _seam.BUSY.depth > 0 and _seam.thread_token() is None
-    True
-    """
-
-    __slots__ = ("prev", "sets")
-
-    def __enter__(self):
-        busy = BUSY
-        busy.depth += 1
-        self.sets = busy.token_sets
-        self.prev = TOKEN_STATE.swap_local(None) if TOKEN_STATE is not None else None
-
-    def __exit__(self, *exc):
-        busy = BUSY
-        # (unless the consumer set the thread's token itself: tap.emergency_restore())
-        if TOKEN_STATE is not None and busy.token_sets == self.sets:
-            TOKEN_STATE.set_local(self.prev)
-        busy.depth -= 1
-        return False
-
-
 def _call(fn, args, cpu_default):
     """Run ``fn`` on the host; it never raises into XLA (that would abort
     the user's program): our host functions guard themselves, this is the
-    last net."""
+    last net.
+
+    While it runs, JAX work a consumer does (an ``on_step`` calling a
+    jitted loop) is never tapped: the with-form stands aside (``BUSY``), so
+    nothing recurses through its own events. A user's consumer also gets
+    the clean jit key (:func:`consumer_key`), so what it compiles is never
+    cached as the block's.
+    """
     if not _PINNED.done:
         _pin_thread()
+    busy = BUSY.__dict__  # this thread's (one thread-local lookup: this is every hop's path)
     try:
         raise_lost_interrupt()
-        with consumer_code():  # a consumer's own JAX work is never tapped
+        busy["depth"] = busy.get("depth", 0) + 1
+        outer = busy.get("hop_key")  # (a hop inside a consumer's own work nests)
+        busy["hop_key"] = _UNSET
+        sets = busy.get("token_sets", 0)
+        try:
             if cpu_default:  # a user consumer's jnp calls must not queue work on the waiting accelerator
                 with jax.default_device(jax.local_devices(backend="cpu")[0]):
                     fn(*args)
             else:
                 fn(*args)
+        finally:
+            swapped = busy["hop_key"]
+            busy["hop_key"] = outer
+            # (unless the consumer set the thread's token itself: tap.emergency_restore())
+            if swapped is not _UNSET and busy.get("token_sets", 0) == sets:
+                TOKEN_STATE.set_local(swapped)
+            busy["depth"] -= 1
     except BaseException as exc:  # noqa: BLE001 - totality
         pass_interrupt(exc)  # a Ctrl-C stops the run
         warn_once_now(f"jax-tap: a host callback failed and was skipped: {describe(exc)}")
+
+
+_UNSET = object()  # a hop's jit key not swapped yet
+
+
+def consumer_key() -> None:
+    """Before a user's consumer runs in a hop: this thread's jit key is the
+    clean one until the hop ends (swapped once per hop, and only for hops
+    that reach user code: it costs about half a microsecond)."""
+    busy = BUSY.__dict__
+    if busy.get("hop_key") is _UNSET and TOKEN_STATE is not None:
+        busy["hop_key"] = TOKEN_STATE.swap_local(None)
 
 
 def _slow(fn, *args):

@@ -556,7 +556,8 @@ def token_state_in_trace_context(token) -> bool:
 
 class _Busy(threading.local):
     depth = 0
-    token_sets = 0  # set_thread_token calls on this thread (see callback.consumer_code)
+    token_sets = 0  # set_thread_token calls on this thread (see callback._call)
+    hop_key = None  # in a hop: the jit key a consumer's swap replaced (callback._UNSET: none yet)
 BUSY = _Busy()
 
 

@@ -175,6 +175,16 @@ def warn_once_now(message: str) -> None:
         _say(f"[tap] warning: {message}")
 
 
+def _no_key() -> None:
+    return None
+
+
+# Before a user's consumer runs in a hop: give the thread the clean jit key.
+# The seam's host entry installs it as it loads (``_seam.callback.consumer_key``;
+# the seam imports this module, so this module never imports the seam).
+consumer_key = _no_key
+
+
 class Guard:
     """Runs one consumer; swallows its failures and warns about them once."""
 
@@ -188,7 +198,7 @@ class Guard:
 
     def __call__(self, x, top=None) -> Any:
         try:
-            _seam.consumer_key()  # what a consumer compiles is never cached as the block's
+            consumer_key()  # what a consumer compiles is never cached as the block's
             return self.fn(x)
         except BaseException as exc:  # noqa: BLE001 - totality: even sys.exit in a consumer
             self.failed(exc)
@@ -384,7 +394,7 @@ def _columns_sink(alert, recorder, consumer):
                 pass
         if on_block is not None:
             try:
-                _seam.consumer_key()
+                consumer_key()
                 on_block(block)
             except BaseException as exc:  # noqa: BLE001 - totality, as Guard
                 guard.failed(exc)
@@ -441,7 +451,3 @@ def _event_sink(alert, recorder, consumer):
 def _nothing(event, top=None):
     return None
 
-
-# (last: the seam's callbacks import this module while the seam loads; its
-# names are read when consumers run, never while both modules load)
-from . import _seam  # noqa: E402

@@ -450,4 +450,3 @@ def _event_sink(alert, recorder, consumer):
 
 def _nothing(event, top=None):
     return None
-

@@ -62,17 +62,17 @@ class Walker:
         self.buffers = plan.flush_every is not None
 
     # -------------------------------------------------------------- decisions
-    def top_scope(self, sites=None, provisional=False, before=None, own=None):
+    def top_scope(self, sites=None, before=None, own=None):
         """The walk's outermost scope; ``sites``: number top-level loops there
         instead of in the walker's own index (a provisional scope: a
         custom rule's body, whose loops are numbered when their events
-        arrive). ``provisional``: ``where`` is asked on the host. ``own``:
-        the block's index for this scope's one top-level loop, where the
-        walker numbers it otherwise (see ``_lens._intercept``). ``before``:
-        the sites its program bound before it (``_scope.TraceOrder``)."""
+        arrive, ``where`` asked on the host). ``own``: the block's index
+        for this scope's one top-level loop, where the walker numbers it
+        otherwise (see ``_lens._intercept``). ``before``: the sites its
+        program bound before it (``_scope.TraceOrder``)."""
         counter = OwnIndex(own) if own is not None else (self.sites if sites is None else sites)
         scope = Scope("", counter, False, None, 1)
-        scope.provisional = provisional or sites is not None
+        scope.provisional = sites is not None
         scope.before = before
         return scope
 

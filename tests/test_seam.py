@@ -551,3 +551,23 @@ def test_a_hop_keeps_its_threads_python_state_between_calls():
     jax.effects_barrier()
     fresh = [ident for ident, marked in seen if not marked]
     assert len(seen) > 1000 and len(fresh) == len(set(fresh))  # a thread's first hop only
+
+
+def test_a_hop_on_an_accelerator_without_a_cpu_backend_still_delivers(monkeypatch):
+    """JAX_PLATFORMS=cuda leaves JAX without a CPU device (found on an H100,
+    2026-12-05: every hop was dropped with a warning). A hop compiled for an
+    accelerator puts its consumer's JAX work on the CPU where there is one;
+    where there is none the consumer runs as it is."""
+    from jaxtap._seam import callback
+
+    def no_cpu(backend=None):
+        raise RuntimeError(f"Unknown backend {backend}")
+
+    monkeypatch.setattr(callback, "_CPU", [])
+    monkeypatch.setattr(jax, "local_devices", no_cpu)
+    seen = []
+    callback._call(lambda a: seen.append(int(a.sum())), [np.arange(4)], True)
+    assert seen == [6]
+    monkeypatch.undo()
+    callback._call(lambda a: seen.append(jnp.zeros(()).devices()), [np.arange(4)], True)
+    assert seen[1] == {jax.local_devices(backend="cpu")[0]}

@@ -106,8 +106,9 @@ def _call(fn, args, cpu_default):
         busy["hop_key"] = _UNSET
         sets = busy.get("token_sets", 0)
         try:
-            if cpu_default:  # a user consumer's jnp calls must not queue work on the waiting accelerator
-                with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            cpu = _host_device() if cpu_default else None
+            if cpu is not None:  # a user consumer's jnp calls must not queue work on the waiting accelerator
+                with jax.default_device(cpu):
                     fn(*args)
             else:
                 fn(*args)
@@ -124,6 +125,19 @@ def _call(fn, args, cpu_default):
 
 
 _UNSET = object()  # a hop's jit key not swapped yet
+_CPU = []  # the host's CPU device, looked up once; [None] where JAX has no CPU backend
+
+
+def _host_device():
+    """The CPU device a consumer's own JAX work goes to, or None where JAX
+    runs without one (``JAX_PLATFORMS=cuda``): the consumer then runs as
+    it is, its values are numpy arrays either way."""
+    if not _CPU:
+        try:
+            _CPU.append(jax.local_devices(backend="cpu")[0])
+        except Exception:  # noqa: BLE001 - no CPU backend (RuntimeError); never a reason to drop a hop
+            _CPU.append(None)
+    return _CPU[0]
 
 
 def consumer_key() -> None:

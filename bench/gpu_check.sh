@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
-export PYTHONPATH="$PWD/src:/tmp/site" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS="${PLATFORM:-cuda}"
+export PYTHONPATH="$PWD/src:/tmp/site" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS="${PLATFORM:-cuda,cpu}"
 { nvidia-smi -L; nproc; python3 -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.devices())"; } \
   2>&1 | tee "$OUT/env.txt"
 
@@ -24,6 +24,12 @@ timeout "${TESTS_S:-250}" python3 -m pytest -v -p no:cacheprovider -o addopts=""
 echo "tests rc=$?" >> "$OUT/tests.log"
 echo "PASSED lines: $(grep -c ' PASSED ' "$OUT/tests.log")  XFAIL lines: $(grep -c ' XFAIL ' "$OUT/tests.log")"
 grep -E " FAILED | ERROR | XPASS |^FAILED|^ERROR| passed| failed|rc=" "$OUT/tests.log" | tail -40
+
+# JAX without a CPU backend: the hops must still deliver
+JAX_PLATFORMS=cuda timeout "${NOCPU_S:-45}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -n "${WORKERS:-8}" \
+  tests/test_core.py > "$OUT/nocpu.log" 2>&1
+echo "no-cpu tests rc=$?" >> "$OUT/nocpu.log"
+tail -5 "$OUT/nocpu.log"
 
 # overhead: the per-step arms against the bare program and the floor
 timeout "${BENCH_S:-80}" python3 bench/bench.py --smoke --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1

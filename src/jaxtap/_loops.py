@@ -37,7 +37,9 @@ def handle_scan(walker, eqn, params, invals, scope, site):
     scan = _ScanRewrite(walker, eqn, params, scope, site)
     if (scan.emits or walker.needs(scan.body.jaxpr)) and refs_untapped(_seam.scan_p, params, invals):
         return scan.plain(list(invals))
-    return scan.strategy()(list(invals))
+    # (a scan's ys come out of a buffer the runner fills: weakly typed as the
+    # user's were, else JAX would promote the user's later arithmetic otherwise)
+    return _seam.keep_weak_types(scan.body.out_avals, scan.strategy()(list(invals)))
 
 
 def refs_untapped(prim, params, args) -> bool:

@@ -30,6 +30,7 @@ __all__ = [
     "select_lanes",
     "optimization_barrier",
     "abstractify",
+    "keep_weak_types",
     "is_array_like",
     "holds_refs",
     "effects_barrier",
@@ -45,6 +46,7 @@ _scan_loops = internal("jax._src.lax.control_flow.loops")
 _slicing = internal("jax._src.lax.slicing")
 _eval_jaxpr_mod = internal("jax._src.lax.eval_jaxpr")
 _state_types = internal("jax._src.state.types")
+_lax = internal("jax._src.lax.lax")
 
 # What a compiled program raises while it runs (a host callback that raised,
 # a runtime check): the program's own failure, never a rewrite's.
@@ -164,6 +166,22 @@ def optimization_barrier(x):
 
 def abstractify(x):
     return _core.shaped_abstractify(x)
+
+
+def keep_weak_types(avals, outs) -> list:
+    """A rewritten loop's outputs, weakly typed where ``avals`` (its own
+    outputs' types, or its body's) are.
+
+    A rewrite builds some outputs afresh (a scan's stacked ``ys`` in a
+    buffer); a weak type lost there would change the dtype JAX promotes the
+    user's later arithmetic to (weak f32 ``ys * bf16`` is bf16, strong is
+    f32). The conversion is to the same dtype: XLA drops it.
+    """
+    kept = list(outs)
+    for i, (aval, x) in enumerate(zip(avals, outs)):
+        if getattr(aval, "weak_type", False) and not getattr(abstractify(x), "weak_type", True):
+            kept[i] = _lax._convert_element_type(x, aval.dtype, weak_type=True)
+    return kept
 
 
 def holds_refs(prim, params, values) -> bool:

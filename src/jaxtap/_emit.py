@@ -19,6 +19,7 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 
 from . import _seam
+from ._host import warn_once_now
 from ._delivery import _HERE, _deliver_column, _deliver_row, _is_column, make_buffer_host, make_host_fn
 from ._delivery import byte_order, unpack as _unpack, unpack_plan as _unpack_plan
 
@@ -101,6 +102,24 @@ jax.tree_util.register_pytree_node(
     CarryLeaves, lambda x: (tuple(x) + x.params, len(x)), lambda n, kids: CarryLeaves(kids[:n], kids[n:]))
 
 
+LARGE_STEP = 256 * 1024  # bytes a default select may ship per step before jax-tap says so
+
+
+def _warn_if_large(value, path, what):
+    """The default select ships everything: say so, once per tap, when that
+    is a lot per step (a solver's output buffer or a model's parameters in
+    the carry: every step then copies it, and a recorder keeps each copy)."""
+    try:
+        size = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(value))
+    except Exception:  # noqa: BLE001 - an extended dtype (a PRNG key) has no byte size here: no advice
+        return
+    if size >= LARGE_STEP:
+        warn_once_now(f"jax-tap: the tap at {path!r} ships all its {what or 'output'} every step, "
+                      f"{size / 1024:,.0f} KiB (no select given), and a recorder keeps every copy. Pass "
+                      "select= to ship what you watch (e.g. select=lambda leaves: leaves[0], or a "
+                      "reduction), or leave this loop out (max_depth=, where=).")
+
+
 def run_select(select, select_path, leaves, path, what="carry leaves"):
     """Call the user's select on device values; explain failures clearly.
 
@@ -109,6 +128,7 @@ def run_select(select, select_path, leaves, path, what="carry leaves"):
     """
     value = leaves if what is None or type(leaves) is CarryLeaves else tuple(leaves)
     if select is None:
+        _warn_if_large(value, path, what)
         return tuple(value) if what is not None else value
     try:
         if select_path == "keyword":

@@ -916,6 +916,24 @@ def test_a_default_select_that_ships_a_large_carry_every_step_warns_once():
     assert len(large) == 1 and "'scan[0]'" in large[0] and "300 KiB" in large[0] and "select=" in large[0]
     assert len(rec) == len(picked) == 600 and len(small) == 100
 
+    # what crosses is what counts (helper-34): a PRNG key leaf beside a large
+    # buffer still warns; a backward loop's parameter cotangents (a large W
+    # closed over, never shipped) do not
+    def keyed(k, x):
+        return jax.lax.scan(lambda c, _: ((jax.random.split(c[0])[0], c[1] * 0.5), None), (k, x), None, length=3)[0]
+
+    def loss(w, x):
+        return jax.lax.scan(lambda c, _: (jnp.tanh(w @ c), None), x, None, length=3)[0].sum()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tap.record():
+            keyed(jax.random.key(0), jnp.ones((512, 256)))
+        with tap.record(backward=True):
+            jax.grad(loss, argnums=(0, 1))(jnp.ones((300, 300)) * 1e-3, jnp.ones(300))
+    assert [str(w.message).split(" every step")[0] for w in caught if "KiB" in str(w.message)] == \
+        ["jax-tap: the tap at 'scan[0]' ships all its carry leaves"]
+
 
 def test_unbuffered_taps_deliver_every_step_before_the_program_fails_in_the_loop():
     """A runtime failure inside a loop (the user's callback raising at step

@@ -124,6 +124,16 @@ def four():
         RESULT["m22_devices"] = [[d.id for d in row] for row in m22.devices]
         with jax.set_mesh(explicit):
             run("per_shard_set_mesh", jax.jit(scan5), xe, per_shard=True)
+
+            def const_ys(x):  # a mesh-less constant y: the scan's ys are mesh-less too
+                return lax.scan(lambda c, _: (c * 1.5 + 1.0, 2.0), x, None, length=3)
+
+            def types(fn):
+                return [(str(a.sharding), a.weak_type) for a in jax.make_jaxpr(fn)(xe).out_avals]
+
+            plain_types = types(const_ys)
+            with tap.record():
+                RESULT["const_ys_types"] = [plain_types, types(const_ys)]
         RESULT["explicit_devices"] = [d.id for d in explicit.devices.flat]
         with tap.record(per_shard=True) as rec:
             jax.block_until_ready(jax.jit(scan5)(xe))
@@ -354,6 +364,10 @@ def test_explicit_mesh(four):
         assert r[name]["same"] and r[name]["sharding"] and len(r[name]["events"]) == n, name
     got = r["explicit_shard_map"]
     assert got["same"] and len(got["events"]) == 20 and _shards(got) == [0, 1, 2, 3]
+    # (helper-34: the ys buffer took the context mesh, another type than the
+    # scan's ys; now the same type, and that loop runs untapped with a warning)
+    plain, tapped = r["const_ys_types"]
+    assert plain == tapped
 
 
 def test_per_shard_under_a_sharded_jit(four):

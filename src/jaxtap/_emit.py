@@ -109,10 +109,12 @@ def _warn_if_large(value, path, what):
     """The default select ships everything: say so, once per tap, when that
     is a lot per step (a solver's output buffer or a model's parameters in
     the carry: every step then copies it, and a recorder keeps each copy)."""
-    try:
-        size = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(value))
-    except Exception:  # noqa: BLE001 - an extended dtype (a PRNG key) has no byte size here: no advice
-        return
+    size = 0
+    for x in jax.tree_util.tree_leaves(tuple(value) if what is not None else value):  # (what crosses: no .params)
+        try:
+            size += int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
+        except Exception:  # noqa: BLE001 - an extended dtype (a PRNG key): its few words do not count
+            pass
     if size >= LARGE_STEP:
         warn_once_now(f"jax-tap: the tap at {path!r} ships all its {what or 'output'} every step, "
                       f"{size / 1024:,.0f} KiB (no select given), and a recorder keeps every copy. Pass "

@@ -166,13 +166,20 @@ def _say(text: str, stream=None, end: str = "\n") -> None:
         pass_interrupt(exc)      # SystemExit) must not disturb the program; Ctrl-C is the user's
 
 
+_SAID: set = set()  # warnings written to stderr because warnings were errors: each once
+
+
 def warn_once_now(message: str) -> None:
-    """Issue a TapWarning; if warnings are errors, fall back to stderr."""
+    """Issue a TapWarning; if warnings are errors, fall back to stderr (each
+    message once a process: the warnings registry never records one that
+    raised)."""
     try:
         warnings.warn(message, TapWarning, stacklevel=2)
     except BaseException as exc:  # noqa: BLE001 - warnings are errors, or a showwarning that raises
         pass_interrupt(exc)
-        _say(f"[tap] warning: {message}")
+        if message not in _SAID:
+            _SAID.add(message)
+            _say(f"[tap] warning: {message}")
 
 
 def _no_key() -> None:

@@ -47,6 +47,7 @@ _slicing = internal("jax._src.lax.slicing")
 _eval_jaxpr_mod = internal("jax._src.lax.eval_jaxpr")
 _state_types = internal("jax._src.state.types")
 _lax = internal("jax._src.lax.lax")
+_mesh_mod = internal("jax._src.mesh")
 
 # What a compiled program raises while it runs (a host callback that raised,
 # a runtime check): the program's own failure, never a rewrite's.
@@ -108,7 +109,13 @@ def while_loop(cond_fun, body_fun, init):
 
 
 def empty_stack(length, aval):
-    """The ys buffer ``scan``'s own lowering starts from."""
+    """The ys buffer ``scan``'s own lowering starts from, typed on ``aval``'s
+    own mesh (JAX 0.12 would put a mesh-less y, a constant, on the context
+    mesh: another type than the scan's ys)."""
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    if mesh is not None and getattr(mesh, "empty", False) and hasattr(_mesh_mod, "use_abstract_mesh"):
+        with _mesh_mod.use_abstract_mesh(mesh):
+            return _scan_loops._empty_array((length,), (None,), aval)
     return _scan_loops._empty_array((length,), (None,), aval)
 
 

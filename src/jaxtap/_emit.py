@@ -109,15 +109,19 @@ def _warn_if_large(value, path, what):
     """The default select ships everything: say so, once per tap, when that
     is a lot per step (a solver's output buffer or a model's parameters in
     the carry: every step then copies it, and a recorder keeps each copy)."""
-    size = 0
+    size, largest = 0, (0, "")
     for x in jax.tree_util.tree_leaves(tuple(value) if what is not None else value):  # (what crosses: no .params)
         try:
-            size += int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
+            n = int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
         except Exception:  # noqa: BLE001 - an extended dtype (a PRNG key): its few words do not count
-            pass
+            continue
+        size += n
+        largest = max(largest, (n, f"{np.dtype(x.dtype).name}{list(np.shape(x))}"))
     if size >= LARGE_STEP:
+        # (the largest leaf tells loops apart where a custom rule's body gives a provisional address)
         warn_once_now(f"jax-tap: the tap at {path!r} ships all its {what or 'output'} every step, "
-                      f"{size / 1024:,.0f} KiB (no select given), and a recorder keeps every copy. Pass "
+                      f"{size / 1024:,.0f} KiB (no select given; largest leaf {largest[1]}), and a recorder "
+                      "keeps every copy. Pass "
                       "select= to ship what you watch (e.g. select=lambda leaves: leaves[0], or a "
                       "reduction), or leave this loop out (max_depth=, where=).")
 

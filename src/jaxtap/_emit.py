@@ -112,7 +112,7 @@ def _warn_if_large(value, path, what):
     size, largest = 0, (0, "")
     for x in jax.tree_util.tree_leaves(tuple(value) if what is not None else value):  # (what crosses: no .params)
         try:
-            n = int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
+            n = _nbytes(x)
         except Exception:  # noqa: BLE001 - an extended dtype (a PRNG key): its few words do not count
             continue
         size += n
@@ -121,9 +121,13 @@ def _warn_if_large(value, path, what):
         # (the largest leaf tells loops apart where a custom rule's body gives a provisional address)
         warn_once_now(f"jax-tap: the tap at {path!r} ships all its {what or 'output'} every step, "
                       f"{size / 1024:,.0f} KiB (no select given; largest leaf {largest[1]}), and a recorder "
-                      "keeps every copy. Pass "
-                      "select= to ship what you watch (e.g. select=lambda leaves: leaves[0], or a "
-                      "reduction), or leave this loop out (max_depth=, where=).")
+                      "keeps every copy. Pass select= to ship what you watch (e.g. select=lambda leaves: "
+                      "leaves[0], or a reduction), or leave this loop out (max_depth=, where=).")
+
+
+def _nbytes(x) -> int:
+    """Bytes of an array or abstract value (raises for an extended dtype)."""
+    return int(np.prod(np.shape(x), dtype=np.int64)) * np.dtype(x.dtype).itemsize
 
 
 def run_select(select, select_path, leaves, path, what="carry leaves"):
@@ -551,7 +555,7 @@ class Buffer:
 
     def row_bytes(self):
         """Device bytes one buffered step takes (its step number included)."""
-        return 4 + sum(int(np.prod(s.shape, dtype=np.int64)) * np.dtype(s.dtype).itemsize for s in self.shapes)
+        return 4 + sum(_nbytes(s) for s in self.shapes)
 
     def empty(self, spare=True):
         # one row more than the capacity: where a step did not fire, its row

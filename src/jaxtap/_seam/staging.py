@@ -2,6 +2,7 @@
 JAX does, and the few lax building blocks the loop rewrites use."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import jax
@@ -113,10 +114,9 @@ def empty_stack(length, aval):
     own mesh (JAX 0.12 would put a mesh-less y, a constant, on the context
     mesh: another type than the scan's ys)."""
     mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
-    if mesh is not None and getattr(mesh, "empty", False) and hasattr(_mesh_mod, "use_abstract_mesh"):
-        with _mesh_mod.use_abstract_mesh(mesh):
-            return _scan_loops._empty_array((length,), (None,), aval)
-    return _scan_loops._empty_array((length,), (None,), aval)
+    own = getattr(mesh, "empty", False) and hasattr(_mesh_mod, "use_abstract_mesh")
+    with _mesh_mod.use_abstract_mesh(mesh) if own else contextlib.nullcontext():
+        return _scan_loops._empty_array((length,), (None,), aval)
 
 
 def empty_like(aval):

@@ -44,6 +44,61 @@ def test_with_form_around_differentiation(form, flush_every):
         assert loops == {"scan[0]": 5, "scan[1]": 5}
 
 
+# ------------------------------------------------ the user's own debug callbacks
+SEEN = []
+
+
+def _noisy(x):
+    """Loops whose bodies call jax.debug.callback: in a scan, in a cond
+    inside it, in a jit inside a while loop (nested under the scan)."""
+    def inner(c):
+        jax.debug.callback(lambda v: SEEN.append(("while", float(v))), c[1])
+        return c[0] + 1, c[1] * 0.9
+
+    def body(c, t):
+        jax.debug.callback(lambda v: SEEN.append(("scan", float(v))), c)
+        c = jax.lax.cond(t > 1.0, _loud_branch, lambda v: v * 1.0, c)
+        # (a while loop is not reverse-differentiable: its input is not differentiated)
+        w = jax.lax.while_loop(lambda s: s[0] < 2, jax.jit(inner), (0, jax.lax.stop_gradient(c)))[1]
+        return c * 1.01 + jnp.sin(t * w), jnp.cos(c)
+
+    c, ys = jax.lax.scan(body, x, jnp.arange(3.0, dtype=jnp.float32))
+    return c + ys.sum()
+
+
+def _loud_branch(v):
+    jax.debug.print("branch {v}", v=v)
+    return v * 1.0
+
+
+NOISY = {
+    "grad": lambda: jax.grad(_noisy)(X),
+    "jit(grad)": lambda: jax.jit(jax.grad(_noisy))(X),
+    "grad(jit)": lambda: jax.grad(jax.jit(_noisy))(X),
+    "value_and_grad": lambda: jax.value_and_grad(_noisy)(X),
+    "jvp": lambda: jax.jvp(_noisy, (X,), (jnp.float32(1.0),)),
+    "grad(checkpoint)": lambda: jax.grad(jax.checkpoint(_noisy))(X),
+    "vmap(grad)": lambda: jax.vmap(jax.grad(_noisy))(jnp.stack([X, X + 1])),
+}
+
+
+@pytest.mark.parametrize("form", sorted(NOISY))
+def test_the_users_debug_callbacks_fire_as_often_as_untapped(form, capfd):
+    """Under differentiation the events come from a second run of the loop
+    beside the one JAX differentiates: the user's jax.debug.callback and
+    jax.debug.print fire in the latter only, as often as untapped."""
+    SEEN.clear()
+    want = sync(NOISY[form]())
+    plain, plain_out = sorted(SEEN), capfd.readouterr().out
+    SEEN.clear()
+    with tap.record() as rec:
+        got = sync(NOISY[form]())
+    assert_bits(got, want)
+    assert sorted(SEEN) == plain and plain
+    assert sorted(capfd.readouterr().out.splitlines()) == sorted(plain_out.splitlines()) and plain_out
+    assert {"scan[0]", "scan[0]/while[0]"} <= {e.path for e in rec.events}  # the events still came
+
+
 # ------------------------------------------ loops inside custom_vjp / custom_jvp
 @jax.custom_vjp
 def fixed_point(a):

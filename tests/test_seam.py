@@ -20,6 +20,8 @@ def test_primitive_names_we_rewrite():
     assert (_seam.SCAN, _seam.WHILE, _seam.COND, _seam.JIT) == ("scan", "while", "cond", "jit")
     assert _seam.REMAT == "remat2"
     assert (_seam.CUSTOM_JVP, _seam.CUSTOM_VJP) == ("custom_jvp_call", "custom_vjp_call")
+    # what an events-only run leaves out (the user's debug effects: _rules.observed)
+    assert {"debug_callback", "debug_print"} <= _seam.DEBUG_EFFECTS
 
 
 def test_equation_params_we_read():

@@ -18,9 +18,9 @@ from ._driver import Runner, drive
 from ._emit import Side
 from ._host import warn_once_now
 from ._rules import bind as _bind, bool_aval as _bool_aval, both as _both, int32_aval as _int32_aval, one as _one
-from ._rules import observed, register
+from ._rules import events_only, observed, register
 from ._scope import Counter
-from ._transform import interpret
+from ._transform import interpret, tappable_names
 
 
 @register(_seam.scan_p)
@@ -94,6 +94,7 @@ class _ScanRewrite:
         self.lane_running = scope.lane_running
         self.lane_flags = [] if self.lane_running is None else [self.lane_running]
         self.stepped, self.side = None, None  # the traced step and its buffered taps (_trace_step)
+        self._quiet = False
 
     def strategy(self):
         """The rewrite for this scan: a function of its inputs."""
@@ -131,7 +132,10 @@ class _ScanRewrite:
         return list(outs) + side.values  # buffered primitive-tap values ride out
 
     def _trace_step(self):
-        if self.stepped is None:
+        # an events-only run leaves the user's debug callbacks out (_rules.observed)
+        quiet = events_only() and not _seam.DEBUG_EFFECTS.isdisjoint(tappable_names(self.body.jaxpr))
+        if self.stepped is None or quiet != self._quiet:
+            self._quiet = quiet
             self._sides = []
             self.stepped = _seam.trace_closed(self._step, [_int32_aval()] + list(self.body.in_avals)
                                               + [_bool_aval()] * len(self.lane_flags))
@@ -184,6 +188,7 @@ class _ScanRewrite:
 
     def driven(self, invals):
         def run(*args):
+            self._trace_step()
             return _scan_driver(self.walker, self.wants, self.params, self.stepped, self.path, self.top, args,
                                 self.side, self.lane_running, view=self.view)
 

@@ -15,6 +15,8 @@ neither imports the other's rules.
 """
 from __future__ import annotations
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,6 +80,20 @@ def both(a, b):
 
 
 # ------------------------------------------------------------ differentiation
+class _EventsOnly(threading.local):
+    depth = 0
+
+
+_EVENTS_ONLY = _EventsOnly()
+
+
+def events_only() -> bool:
+    """True while tracing a loop's events-only run (see :func:`observed`):
+    the user's own debug callbacks fire in the loop JAX differentiates, so
+    this run leaves them out (they would fire twice per step)."""
+    return _EVENTS_ONLY.depth > 0
+
+
 def _zero_tangent(x):
     if jnp.issubdtype(x.dtype, jnp.inexact):
         return jnp.zeros_like(x)
@@ -90,7 +106,9 @@ def observed(tapped_fn, plain_fn, args):
     Both compute the same values; ``tapped_fn`` also emits. Under any
     differentiation the derivatives (and the primal outputs) are exactly
     those of ``plain_fn``, the user's untapped code, while ``tapped_fn``
-    runs on gradient-stopped inputs for its events alone.
+    runs on gradient-stopped inputs for its events alone, without the
+    user's ``jax.debug.callback``/``jax.debug.print`` equations (they fire
+    once, in ``plain_fn``'s run, as they do untapped).
 
     Where an autodiff trace is active now (``jax.grad(f)`` eagerly, or
     traced inside a jit), ``plain_fn`` is bound as it is, so JAX
@@ -105,10 +123,17 @@ def observed(tapped_fn, plain_fn, args):
         with _seam.quiet(), _seam.differentiated(False):
             return list(tapped_fn(*a))
 
+    def events_run(*a):
+        _EVENTS_ONLY.depth += 1
+        try:
+            return tapped(*a)
+        finally:
+            _EVENTS_ONLY.depth -= 1
+
     # The events-only run is one opaque equation to autodiff: partial
     # evaluation (e.g. of jax.checkpoint) never looks inside it to recompute
     # parts, which a while loop holding callbacks could not support.
-    events = jax.custom_jvp(tapped)
+    events = jax.custom_jvp(events_run)
 
     def events_rule(primals, tangents):
         out = events(*primals)

@@ -18,7 +18,7 @@ from ._cotangents import cotangent_select
 from ._emit import CarryLeaves, Meta, Side, TapSelectError, emit, finite_flag, run_select
 from ._options import Plan, PrimTap
 from ._scope import Counter, OwnIndex, Scope, SiteIndex
-from ._rules import RULES, observed, register, ruled_names
+from ._rules import RULES, events_only, observed, register, ruled_names
 from ._rules import bind as _bind, bool_aval as _bool_aval, both as _both, int32_aval as _int32_aval
 
 
@@ -102,8 +102,10 @@ class Walker:
         return True
 
     def needs(self, jaxpr) -> bool:
-        """Does anything inside `jaxpr` need rewriting?"""
-        key = id(jaxpr)
+        """Does anything inside `jaxpr` need rewriting? (In an events-only
+        run, a user's debug callback does: it is left out.)"""
+        quiet = events_only()
+        key = (id(jaxpr), quiet)
         hit = self._needs.get(key)
         if hit is not None and hit[0] is jaxpr:
             return hit[1]
@@ -111,6 +113,8 @@ class Walker:
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             if name in self._tap_names or (self._births and _seam.is_leaf_float_eqn(eqn)):
+                result = True
+            elif quiet and name in _seam.DEBUG_EFFECTS:
                 result = True
             elif name in (_seam.SCAN, _seam.WHILE) and self.plan.emits_loops:
                 result = True
@@ -280,11 +284,14 @@ def interpret(walker: Walker, jaxpr, consts, args, scope: Scope):
         env[v] = x
     for v, x in zip(jaxpr.invars, args):
         env[v] = x
+    quiet = events_only()
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         ours = _seam.staged_by_us(eqn)
         if ours == "tap" and not eqn.outvars:
             continue  # a stale emission from a cached, already-tapped trace
+        if quiet and not eqn.outvars and eqn.primitive.name in _seam.DEBUG_EFFECTS:
+            continue  # the user's own, in an events-only run: it fires in the differentiated loop
         handler = handler_for(eqn.primitive)
         if ours == "loop":
             outs = _seam.eval_eqn(eqn, invals)  # tapped already: never tap twice

@@ -28,6 +28,7 @@ __all__ = [
     "WHILE",
     "COND",
     "JIT",
+    "DEBUG_EFFECTS",
     "REMAT",
     "CUSTOM_JVP",
     "CUSTOM_VJP",
@@ -90,6 +91,11 @@ hi_call_p = getattr(_hijax, "call_hi_primitive_p", None)
 SCAN = scan_p.name  # "scan"
 WHILE = while_p.name  # "while"
 COND = cond_p.name
+# the user's jax.debug.callback, jax.debug.print and
+# jax.debug.inspect_array_sharding: effects without outputs
+_debugging = internal("jax._src.debugging")
+DEBUG_EFFECTS = frozenset(getattr(_debugging, p).name for p in ("debug_callback_p", "debug_print_p",
+                                                                 "inspect_sharding_p") if hasattr(_debugging, p))
 JIT = jit_p.name
 REMAT = remat_p.name
 CUSTOM_JVP = custom_jvp_call_p.name

@@ -208,6 +208,12 @@ def main(argv=None):
                 rec.df()
                 df_times.append(time.perf_counter() - t0)
             df_us[k] = min(df_times) / len(rec) * 1e6
+    # a whole carry (the 4-vector, no select) to a JSONL file: each line from a cached template
+    with tempfile.TemporaryDirectory() as d:
+        for k in (None, 1000):
+            with tap.JSONLWriter(os.path.join(d, f"carry{k}.jsonl")) as w:
+                arm(f"JSONLWriter, whole carry, {'every step' if k is None else f'buffered K={k}'}",
+                    jax.jit(tap.verbose(make_bare(n), on_step=w, flush_every=k)))
     arm("primitive tap sin every step", jax.jit(tap.verbose(make_bare(n), taps=[tap.on("sin", select=lambda o: o[0].mean())])))
     arm("primitive tap sin sample_every=100",
         jax.jit(tap.verbose(make_bare(n), taps=[tap.on("sin", select=lambda o: o[0].mean())], sample_every=100)))
@@ -289,6 +295,10 @@ def main(argv=None):
         "buffered K=1000, recorder only (columns), per event / floor":
             (us["buffered K=1000, recorder only (columns)"] - b) / floor,
         "buffered K=1000, JSONLWriter, per event / floor": (us["buffered K=1000, JSONLWriter"] - b) / floor,
+        "JSONLWriter, whole carry, every step, per event / floor": (us["JSONLWriter, whole carry, every step"] - b)
+        / floor,
+        "JSONLWriter, whole carry, buffered K=1000, per event / floor":
+            (us["JSONLWriter, whole carry, buffered K=1000"] - b) / floor,
         "buffered K=1000, on_block consumer, per event / floor":
             (us["buffered K=1000, on_block consumer"] - b) / floor,
         "rec.df() of columns (K=1000), per event / floor": df_us[1000] / floor,

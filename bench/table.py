@@ -39,6 +39,8 @@ LABELS = {
     "buffered K=1000, recorder only (columns)": "buffered `flush_every=1000`, recorder only (columns)",
     "buffered K=1000, JSONLWriter": "buffered `flush_every=1000`, `JSONLWriter` (block writes)",
     "buffered K=1000, on_block consumer": "buffered `flush_every=1000`, an `on_block` consumer",
+    "JSONLWriter, whole carry, every step": "`JSONLWriter`, the whole carry (4 floats), every step",
+    "JSONLWriter, whole carry, buffered K=1000": "`JSONLWriter`, the whole carry (4 floats), `flush_every=1000`",
     "grad, bare": "`grad` through the scan, bare",
     "grad, buffered flush_every=100": "`grad` through the scan, buffered `flush_every=100`",
 }

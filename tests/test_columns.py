@@ -117,8 +117,14 @@ def test_on_block_consumers_get_columns_and_jsonl_writes_the_same_lines(tmp_path
 
 @pytest.mark.parametrize("select", [lambda leaves: leaves[0].astype(jnp.int32),
                                     lambda leaves: jnp.where(leaves[0] > 3, jnp.nan, leaves[0]),
-                                    lambda leaves: jnp.stack([leaves[0], -leaves[0]])],
-                         ids=["int", "with NaN", "vector"])
+                                    lambda leaves: jnp.stack([leaves[0], -leaves[0]]),
+                                    lambda leaves: jnp.stack([jnp.stack([leaves[0], leaves[0] * 1e-7, -leaves[0] / 3]),
+                                                              jnp.stack([leaves[0] * 3e30, leaves[0] + 0.1, 0 * leaves[0]])]),
+                                    lambda leaves: (leaves[0] * jnp.arange(6.0).reshape(3, 2)).astype(jnp.int32),
+                                    lambda leaves: jnp.full(5000, leaves[0]),
+                                    lambda leaves: {"c": leaves[0], "big": leaves[0] > 10, "n": jnp.int32(2)}],
+                         ids=["int", "with NaN", "vector", "matrix at every magnitude", "int matrix", "wider than a template",
+                              "tree"])
 def test_jsonl_lines_of_any_block_equal_per_event_lines(select, tmp_path):
     f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=30)[0])
     texts = []
@@ -702,3 +708,32 @@ def test_a_recorder_copied_while_its_loop_runs_copies_what_it_holds(how):
         events = c.events
         assert len(events) == len(c) and all(isinstance(e, tap.TapEvent) for e in events)
         assert [e.step for e in events] == list(range(len(events)))
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["orjson", "repr"])
+@pytest.mark.parametrize("shape", [(), (4,), (2, 3), "tree"], ids=["scalar", "vector", "matrix", "tree"])
+def test_a_block_of_arrays_is_written_in_one_go_as_its_event_lines(shape, fast, monkeypatch):
+    """Blocks of fixed-shape int, bool or finite float arrays (or pytrees
+    of them) take the block path (one template, no line built per event),
+    and its text is the per-event lines', at every magnitude."""
+    from jaxtap import _jsonl
+    if fast:
+        pytest.importorskip("orjson")
+    else:
+        monkeypatch.setattr(_jsonl, "_orjson", None)
+    for col in _numbers():
+        if shape == "tree":  # a dict of a number matrix, a bool vector, a scalar, a key's data
+            rows = col[:len(col) // 6 * 6].reshape(-1, 3, 2)
+            n = len(rows)
+            leaves = [np.arange(n, dtype=np.int32), np.arange(2 * n, dtype=np.uint32).reshape(n, 2) * 97, rows,
+                      np.arange(3 * n).reshape(n, 3) % 3 == 0]  # (in the dict's key order)
+            tree = jax.tree_util.tree_structure({"i": 0, "m": 0, "ok": 0, "key": 0})
+            block = tap.TapBlock("scan[0]/while[1]", "carry", 99, None, np.arange(n) * 7, leaves=leaves,
+                                 treedef=tree, count=4)
+        else:
+            width = max(1, int(np.prod(shape)))
+            rows = col[:len(col) // width * width].reshape((-1,) + shape)
+            block = tap.TapBlock("scan[0]/while[1]", "carry", 99, None, np.arange(len(rows)) * 7, rows)
+        text = _jsonl._block_text(block)
+        assert text is not None, (col.dtype, shape)
+        assert text == "".join(_jsonl._line(e) for e in block.events()), (col.dtype, shape)

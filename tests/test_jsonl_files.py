@@ -299,3 +299,28 @@ def test_a_writer_to_os_devnull_never_removes_it(monkeypatch):
     out = tap.JSONLWriter(os.devnull, overwrite=True)
     out.close()  # idle in a multi-process run: the shared name would be left
     assert removed == []
+
+
+def test_an_events_line_from_its_template_is_the_line_json_writes():
+    """A single event's line (unbuffered delivery) comes from a cached
+    template where it can; for every value, templated or not, it is the
+    line ``json`` writes (the reader's format)."""
+    from jaxtap import _jsonl
+    from jaxtap._event import make_event
+    import ml_dtypes
+    values = [np.float32(0.3), np.float64(-1e-7), np.int32(-5), np.uint32(2**32 - 1), np.bool_(True),
+              np.arange(4, dtype=np.float32) / 3, np.arange(6, dtype=np.int64).reshape(2, 3),
+              (np.arange(2, dtype=np.float32), np.bool_(False), np.int32(3)), {"a": np.float32(1.5), "b": None},
+              [np.float32(3e30), np.array([True, False])],
+              # not templated: each written by json as before
+              np.float32(np.nan), np.array([1.0, np.inf], np.float32), np.asarray(1.0), 1.5, 7, "text",
+              np.uint64(2**64 - 1), np.int8(-3), np.float16(0.5), np.array(1.5, ml_dtypes.bfloat16),
+              np.complex64(1 + 2j), (np.float32(1.0), "static"), np.zeros((0, 3), np.float32)]
+    for value in values:
+        for step, lane, origin in ((3, None, (None, None, None, None)), (np.int64(4), 2, (1, "cpu:0", 0, True))):
+            event = make_event("scan[0]/while[2]", step, value, 10, "carry", lane, origin)
+            assert _jsonl._event_text(event) == _jsonl._line(event), value
+    templated = make_event("scan[0]", 3, np.arange(3, dtype=np.float32), None, "carry")
+    _jsonl._template.cache_clear()
+    _jsonl._event_text(templated)
+    assert _jsonl._template.cache_info().currsize == 1

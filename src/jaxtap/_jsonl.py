@@ -7,12 +7,16 @@ event it streamed plus at most one cut line at the end. The reader is
 """
 from __future__ import annotations
 
+import collections
 import functools
 import json
+import math
 import os
+import re
 import threading
 from typing import Any
 
+import jax
 import numpy as np
 
 from . import _seam
@@ -81,46 +85,135 @@ def _line(event) -> str:
 
 
 _STEP_MARK = -918273645  # sentinels of a line template (see _block_text)
-_VALUE_MARKS = {"f": 0.123456789, "i": 12345678}
+_VALUE_MARKS = {"f": (0.123456789, 0.000917253), "i": (97531864, 1)}  # (first, spacing)
+_MAX_WIDTH = 4096  # numbers per row a template covers (wider rows: one line at a time)
 
 
 def _block_text(block):
-    """Every line of a block of finite float / int scalars, from one template
-    line (the very line :func:`_line` writes, with marked step and value);
-    None when the block is not such a block."""
-    col = block.values
-    if not isinstance(col, np.ndarray) or col.ndim != 1 or col.dtype.kind not in "fi" or col.dtype.itemsize < 4:
+    """Every line of a block whose events' values are int, bool or finite
+    float arrays of fixed shapes (one, or a pytree of them), from one
+    template line (the very line :func:`_line` writes, with marked step
+    and numbers); None when the block is not such a block."""
+    leaves, n = block._leaves, len(block)
+    if block.lanes is not None or block._static or not all(_fits(c, n) for c in leaves):
         return None
-    if col.dtype.kind == "f" and not np.isfinite(col).all():
+    if not n:
+        return ""
+    if any(c.dtype.kind == "f" and not np.isfinite(c).all() for c in leaves):
         return None
-    pieces = _template(block.path, block.kind, block.total, block.lane, block.origin, col.dtype.str)
-    if pieces is None:
+    made = _template(block.path, block.kind, block.total, block.lane, block.origin, block._treedef,
+                     tuple((c.dtype, c.shape[1:]) for c in leaves))
+    if made is None:
         return None
-    texts = _number_texts(col)  # each value's text once: it appears twice per line
+    return _fill(*made, _number_texts(block.steps), [_texts(c) for c in leaves], n)
+
+
+def _event_text(event) -> str:
+    """One event's line: from its template where its value is int, bool or
+    finite float arrays (no JSON built in Python), else :func:`_line`."""
+    value = event.value
+    if isinstance(value, (np.ndarray, np.generic)):
+        leaves, treedef = (value,), None
+    else:
+        leaves, treedef = jax.tree_util.tree_flatten(value)
+    if type(event.step) is not int:
+        return _line(event)
+    sig, texts = [], []
+    for v in leaves:
+        # (a 0-d ndarray writes "scalar": false, unlike a column's row)
+        if not (isinstance(v, np.generic) or isinstance(v, np.ndarray) and v.ndim) or not _wide(v.dtype):
+            return _line(event)
+        flat = v.ravel().tolist() if v.ndim else [v.item()]
+        if v.dtype.kind == "b":
+            texts.append(["true" if x else "false" for x in flat])
+        elif v.dtype.kind == "f" and not all(map(math.isfinite, flat)):
+            return _line(event)
+        else:  # json writes a number as repr does
+            texts.append(list(map(repr, flat)))
+        sig.append((v.dtype, v.shape))
+    made = _template(event.path, event.kind, event.total, event.lane, tuple(event[6:10]), treedef, tuple(sig))
+    return _line(event) if made is None else _fill(*made, [str(event.step)], texts, 1)
+
+
+def _wide(dtype) -> bool:
+    kind, size = dtype.kind, dtype.itemsize
+    # (a uint64 would not widen to the int64 _number_texts reads it as)
+    return kind == "b" or (kind in "fi" and size >= 4) or (kind == "u" and size == 4)
+
+
+def _fits(col, n) -> bool:
+    return isinstance(col, np.ndarray) and col.ndim >= 1 and len(col) == n and _wide(col.dtype)
+
+
+def _texts(col) -> list:
+    """Each number of a column (row-major), as a line writes it."""
+    flat = col.reshape(-1)
+    return np.where(flat, "true", "false").tolist() if col.dtype.kind == "b" else _number_texts(flat)
+
+
+def _fill(pieces, holes, widths, steps, texts, n) -> str:
     # the lines' pieces laid out by slice assignment, then one join: no
     # Python frame and no tuple per line (half the cost of zipping them)
-    parts = list(pieces) * len(texts)
-    parts[1::7] = _number_texts(block.steps)
-    parts[3::7] = texts
-    parts[5::7] = texts
+    size = len(pieces)
+    parts = list(pieces) * n
+    for at, k, j in holes:
+        parts[at::size] = steps if k < 0 else texts[k][j::widths[k]] if widths[k] > 1 else texts[k]
     return "".join(parts)
 
 
 @functools.lru_cache(maxsize=256)
-def _template(path, kind, total, lane, origin, dtype):
-    """A block line's seven pieces (``None`` where a number goes), cut out of
-    the line :func:`_line` writes for a marked step and value; None when the
-    marks cannot be found unambiguously."""
-    dtype = np.dtype(dtype)
-    mark = dtype.type(_VALUE_MARKS[dtype.kind])
-    template = _line(make_event(path, _STEP_MARK, mark, total, kind, lane, origin))
-    value_text = repr(mark.item())
-    head, sep, rest = template.partition(str(_STEP_MARK))
-    parts = rest.split(value_text)
-    if not sep or len(parts) != 3 or str(_STEP_MARK) in rest or value_text in head:
+def _template(path, kind, total, lane, origin, treedef, leaves):
+    """A block line cut where its numbers go, out of the line :func:`_line`
+    writes for a marked step and marked numbers (``leaves``: each leaf's
+    dtype and row shape): ``(pieces, holes, widths)``, where
+    ``pieces[at]`` is None for each hole ``(at, k, j)``: number ``j`` of
+    leaf ``k`` (``k`` -1: the step). None when the marks cannot be found
+    unambiguously or a probe row's line differs from :func:`_line`'s."""
+    widths = tuple(int(np.prod(shape, dtype=np.int64)) for _, shape in leaves)
+    if not 0 < sum(widths) <= _MAX_WIDTH or 0 in widths:
         return None
-    mid, between, tail = parts
-    return (head, None, mid, None, between, None, tail)
+    marked, owners, used = [], {str(_STEP_MARK): (-1, 0)}, {"f": 0, "i": 0}
+    for k, ((dtype, shape), width) in enumerate(zip(leaves, widths)):
+        dtype = np.dtype(dtype)
+        mark = "f" if dtype.kind == "f" else "i"  # (a bool leaf is marked as int32, then renamed)
+        first, spacing = _VALUE_MARKS[mark]
+        row = (first + spacing * np.arange(used[mark], used[mark] + width)).astype(
+            np.int32 if dtype.kind == "b" else dtype)
+        used[mark] += width
+        owners.update((repr(v), (k, j)) for j, v in enumerate(row.tolist()))
+        marked.append(row.reshape(shape) if shape else row[0])
+    texts = list(owners)
+    if len(texts) != 1 + sum(widths) or any(a != b and a in b for a in texts for b in texts):
+        return None
+    line = _line(make_event(path, _STEP_MARK, _unflatten(treedef, marked), total, kind, lane, origin))
+    cut = re.split("(" + "|".join(map(re.escape, sorted(texts, key=len, reverse=True))) + ")", line)
+    pieces = [None if i % 2 else piece for i, piece in enumerate(cut)]
+    holes = tuple((i, *owners[piece]) for i, piece in enumerate(cut) if i % 2)
+    seen = collections.Counter((k, j) for _, k, j in holes)
+    if seen[(-1, 0)] != 1 or len(seen) != len(texts) or any(c != 2 for o, c in seen.items() if o[0] >= 0):
+        return None
+    for k, (dtype, _) in enumerate(leaves):  # a bool leaf's dtype, after its last number
+        if np.dtype(dtype).kind == "b":
+            at = max(i for i, owner, _ in holes if owner == k) + 1
+            pieces[at] = pieces[at].replace('"dtype": "int32"', '"dtype": "bool"', 1)
+    made = tuple(pieces), holes, widths
+    return made if _probe_agrees(made, path, kind, total, lane, origin, treedef, leaves) else None
+
+
+def _unflatten(treedef, leaves):
+    return leaves[0] if treedef is None else treedef.unflatten(leaves)
+
+
+def _probe_agrees(made, path, kind, total, lane, origin, treedef, leaves) -> bool:
+    """Does the template write a probe row as :func:`_line` does?"""
+    cols = []
+    for dtype, shape in leaves:
+        dtype, width = np.dtype(dtype), int(np.prod(shape, dtype=np.int64))
+        probe = np.arange(width) % 2 == 0 if dtype.kind == "b" else (np.arange(width) * 1.25 + 0.5).astype(dtype)
+        cols.append(probe.reshape((1,) + tuple(shape)))
+    row = [c[0] for c in cols]
+    want = _line(make_event(path, 7, _unflatten(treedef, row), total, kind, lane, origin))
+    return _fill(*made, ["7"], [_texts(c) for c in cols], 1) == want
 
 
 def _number_texts(col) -> list:
@@ -239,7 +332,7 @@ class JSONLWriter:
             return
         try:
             if text is None:
-                text = "".join(_line(e) for e in events)
+                text = "".join(map(_event_text, events))
             with self._lock:
                 if not self._placed and self._fh is not None:
                     self._place()

@@ -7,6 +7,7 @@ raised while a buffered block is being delivered.
 """
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import os
@@ -301,6 +302,21 @@ def test_a_writer_to_os_devnull_never_removes_it(monkeypatch):
     assert removed == []
 
 
+class _Pair(collections.namedtuple("_Pair", "a b")):
+    pass
+
+
+class _Box:  # a pytree node whose aux data cannot be hashed (no template: the general path)
+    def __init__(self, x):
+        self.x = x
+
+    def __repr__(self):
+        return f"_Box({self.x!r})"
+
+
+jax.tree_util.register_pytree_node(_Box, lambda b: ((b.x,), [1]), lambda aux, children: _Box(children[0]))
+
+
 def test_an_events_line_from_its_template_is_the_line_json_writes():
     """A single event's line (unbuffered delivery) comes from a cached
     template where it can; for every value, templated or not, it is the
@@ -315,7 +331,8 @@ def test_an_events_line_from_its_template_is_the_line_json_writes():
               # not templated: each written by json as before
               np.float32(np.nan), np.array([1.0, np.inf], np.float32), np.asarray(1.0), 1.5, 7, "text",
               np.uint64(2**64 - 1), np.int8(-3), np.float16(0.5), np.array(1.5, ml_dtypes.bfloat16),
-              np.complex64(1 + 2j), (np.float32(1.0), "static"), np.zeros((0, 3), np.float32)]
+              np.complex64(1 + 2j), (np.float32(1.0), "static"), np.zeros((0, 3), np.float32),
+              _Pair(np.float32(1.5), np.arange(2)), {1: np.float32(3.0)}, _Box(np.float32(2.5))]
     for value in values:
         for step, lane, origin in ((3, None, (None, None, None, None)), (np.int64(4), 2, (1, "cpu:0", 0, True))):
             event = make_event("scan[0]/while[2]", step, value, 10, "carry", lane, origin)

@@ -131,7 +131,10 @@ def _event_text(event) -> str:
         else:  # json writes a number as repr does
             texts.append(list(map(repr, flat)))
         sig.append((v.dtype, v.shape))
-    made = _template(event.path, event.kind, event.total, event.lane, tuple(event[6:10]), treedef, tuple(sig))
+    try:
+        made = _template(event.path, event.kind, event.total, event.lane, tuple(event[6:10]), treedef, tuple(sig))
+    except Exception:  # noqa: BLE001 - e.g. a pytree node with unhashable data: the general path
+        made = None
     return _line(event) if made is None else _fill(*made, [str(event.step)], texts, 1)
 
 

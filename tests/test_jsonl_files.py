@@ -332,10 +332,17 @@ def test_an_events_line_from_its_template_is_the_line_json_writes():
               np.float32(np.nan), np.array([1.0, np.inf], np.float32), np.asarray(1.0), 1.5, 7, "text",
               np.uint64(2**64 - 1), np.int8(-3), np.float16(0.5), np.array(1.5, ml_dtypes.bfloat16),
               np.complex64(1 + 2j), (np.float32(1.0), "static"), np.zeros((0, 3), np.float32),
-              _Pair(np.float32(1.5), np.arange(2)), {1: np.float32(3.0)}, _Box(np.float32(2.5))]
+              _Pair(np.float32(1.5), np.arange(2)), {1: np.float32(3.0)}, _Box(np.float32(2.5)),
+              # written by repr, which pads numbers by the widest: never from a template
+              _Box(np.array([8, 15], np.int32)), _Box(np.array([57, 106], np.int32)),
+              # dicts a hop would have sorted; keys that cannot be sorted
+              {"b": np.float32(1.0), "a": np.int32(5)}, {2: np.arange(1.0), 1: np.arange(2.0)},
+              {1: np.float32(1.0), "a": np.float32(2.0)}]
+    tags = [(10, None, (None, None, None, None)), (10, 2, (1, "cpu:0", 0, True)),
+            (True, True, (True, 1, True, 1)), (1.0, 1, (1, True, 1, True))]  # (equal keys, other texts)
     for value in values:
-        for step, lane, origin in ((3, None, (None, None, None, None)), (np.int64(4), 2, (1, "cpu:0", 0, True))):
-            event = make_event("scan[0]/while[2]", step, value, 10, "carry", lane, origin)
+        for step, (total, lane, origin) in zip((3, np.int64(4), 5, 6), tags):
+            event = make_event("scan[0]/while[2]", step, value, total, "carry", lane, origin)
             assert _jsonl._event_text(event) == _jsonl._line(event), value
     templated = make_event("scan[0]", 3, np.arange(3, dtype=np.float32), None, "carry")
     _jsonl._template.cache_clear()

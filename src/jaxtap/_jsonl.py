@@ -101,7 +101,8 @@ def _block_text(block):
         return ""
     if any(c.dtype.kind == "f" and not np.isfinite(c).all() for c in leaves):
         return None
-    made = _template(block.path, block.kind, block.total, block.lane, block.origin, block._treedef,
+    tags = (block.total, block.lane, *block.origin)
+    made = _template(block.path, block.kind, tags, tuple(map(type, tags)), block._treedef,
                      tuple((c.dtype, c.shape[1:]) for c in leaves))
     if made is None:
         return None
@@ -111,6 +112,13 @@ def _block_text(block):
 def _event_text(event) -> str:
     """One event's line: from its template where its value is int, bool or
     finite float arrays (no JSON built in Python), else :func:`_line`."""
+    try:
+        return _templated(event)
+    except Exception:  # noqa: BLE001 - e.g. dict keys that cannot be sorted: the general path
+        return _line(event)
+
+
+def _templated(event) -> str:
     value = event.value
     if isinstance(value, (np.ndarray, np.generic)):
         leaves, treedef = (value,), None
@@ -131,11 +139,28 @@ def _event_text(event) -> str:
         else:  # json writes a number as repr does
             texts.append(list(map(repr, flat)))
         sig.append((v.dtype, v.shape))
-    try:
-        made = _template(event.path, event.kind, event.total, event.lane, tuple(event[6:10]), treedef, tuple(sig))
-    except Exception:  # noqa: BLE001 - e.g. a pytree node with unhashable data: the general path
-        made = None
+    if treedef is not None and _has_dict(treedef) and not _in_key_order(value):
+        return _line(event)  # (a template lays a dict out in sorted key order, as a hop rebuilds it)
+    # (types in the key: 1, 1.0 and True are equal keys, not equal texts)
+    tags = (event.total, event.lane, *event[6:10])
+    made = _template(event.path, event.kind, tags, tuple(map(type, tags)), treedef, tuple(sig))
     return _line(event) if made is None else _fill(*made, [str(event.step)], texts, 1)
+
+
+@functools.lru_cache(maxsize=256)
+def _has_dict(treedef) -> bool:
+    data = treedef.node_data()
+    return (data is not None and data[0] is dict) or any(_has_dict(c) for c in treedef.children())
+
+
+def _in_key_order(value) -> bool:
+    """Are the dicts in ``value`` in sorted key order (as a hop rebuilds them)?"""
+    if isinstance(value, dict):
+        keys = list(value)
+        return keys == sorted(keys) and all(_in_key_order(v) for v in value.values())
+    if isinstance(value, (tuple, list)):
+        return all(_in_key_order(v) for v in value)
+    return True
 
 
 def _wide(dtype) -> bool:
@@ -165,15 +190,17 @@ def _fill(pieces, holes, widths, steps, texts, n) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def _template(path, kind, total, lane, origin, treedef, leaves):
+def _template(path, kind, tags, tag_types, treedef, leaves):
     """A block line cut where its numbers go, out of the line :func:`_line`
-    writes for a marked step and marked numbers (``leaves``: each leaf's
-    dtype and row shape): ``(pieces, holes, widths)``, where
+    writes for a marked step and marked numbers (``tags``: total, lane
+    and origin; ``leaves``: each leaf's dtype and row shape):
+    ``(pieces, holes, widths)``, where
     ``pieces[at]`` is None for each hole ``(at, k, j)``: number ``j`` of
     leaf ``k`` (``k`` -1: the step). None when the marks cannot be found
     unambiguously or a probe row's line differs from :func:`_line`'s."""
+    total, lane, origin = tags[0], tags[1], tuple(tags[2:])
     widths = tuple(int(np.prod(shape, dtype=np.int64)) for _, shape in leaves)
-    if not 0 < sum(widths) <= _MAX_WIDTH or 0 in widths:
+    if not 0 < sum(widths) <= _MAX_WIDTH or 0 in widths or not _builtin_tree(treedef):
         return None
     marked, owners, used = [], {str(_STEP_MARK): (-1, 0)}, {"f": 0, "i": 0}
     for k, ((dtype, shape), width) in enumerate(zip(leaves, widths)):
@@ -201,6 +228,19 @@ def _template(path, kind, total, lane, origin, treedef, leaves):
             pieces[at] = pieces[at].replace('"dtype": "int32"', '"dtype": "bool"', 1)
     made = tuple(pieces), holes, widths
     return made if _probe_agrees(made, path, kind, total, lane, origin, treedef, leaves) else None
+
+
+def _builtin_tree(treedef) -> bool:
+    """Is the tree made of tuples, lists, dicts and namedtuples alone? A
+    line writes those item by item; another node is written by ``repr``,
+    whose layout depends on the values (numpy pads a column of numbers)."""
+    if treedef is None:
+        return True
+    data = treedef.node_data()
+    if data is not None and data[0] not in (tuple, list, dict) and not (
+            isinstance(data[0], type) and issubclass(data[0], tuple) and hasattr(data[0], "_fields")):
+        return False
+    return all(_builtin_tree(child) for child in treedef.children())
 
 
 def _unflatten(treedef, leaves):

@@ -119,13 +119,13 @@ def _event_text(event) -> str:
 
 
 def _templated(event) -> str:
+    if type(event.step) is not int:
+        return _line(event)
     value = event.value
     if isinstance(value, (np.ndarray, np.generic)):
         leaves, treedef = (value,), None
     else:
         leaves, treedef = jax.tree_util.tree_flatten(value)
-    if type(event.step) is not int:
-        return _line(event)
     sig, texts = [], []
     for v in leaves:
         # (a 0-d ndarray writes "scalar": false, unlike a column's row)
@@ -193,7 +193,8 @@ def _fill(pieces, holes, widths, steps, texts, n) -> str:
 def _template(path, kind, tags, tag_types, treedef, leaves):
     """A block line cut where its numbers go, out of the line :func:`_line`
     writes for a marked step and marked numbers (``tags``: total, lane
-    and origin; ``leaves``: each leaf's dtype and row shape):
+    and origin; ``tag_types``: their types, only part of the cache key;
+    ``leaves``: each leaf's dtype and row shape):
     ``(pieces, holes, widths)``, where
     ``pieces[at]`` is None for each hole ``(at, k, j)``: number ``j`` of
     leaf ``k`` (``k`` -1: the step). None when the marks cannot be found

@@ -53,8 +53,11 @@ class Runner(NamedTuple):
     """The effect-free half of a tapped loop, as the driver sees it.
 
     ``run_until(i, stop, state) -> (i2, state2)`` runs user steps
-    ``i .. stop-1`` (fewer if the loop ends); ``goes_on(i, state)`` says whether
-    the loop goes on; ``observe(last, state) -> (carry, ys, side values)`` is
+    ``i .. stop-1`` (fewer if the loop ends); ``goes_on(i, state, loud=False)``
+    says whether the loop goes on (a while loop's: the debug effects of the
+    user's cond fire only where ``loud``, as the driver's first call asks:
+    the runner fires them for every later state it reaches, so that the
+    cond's prints come once per state, as untapped); ``observe(last, state) -> (carry, ys, side values)`` is
     what a step's tap sees. ``total``: a scan's length (None for a while
     loop); ``uniform``: every runner call ends on a sampled step unless the
     loop ended (a scan), so ``sample_every=1`` needs no lane_running.
@@ -228,7 +231,7 @@ def _drive_while(walker, metas, payloads, runner, k0, lane_running):
         return (i2, s.k, runner.goes_on(i2, st2), *st2)
 
     start = _FIRST_STEP
-    out = _seam.while_loop(_goes_on, d_body, (start, k0, runner.goes_on(start, runner.state), *runner.state))
+    out = _seam.while_loop(_goes_on, d_body, (start, k0, runner.goes_on(start, runner.state, True), *runner.state))
     return list(out[3:])
 
 
@@ -246,7 +249,7 @@ def _drive_buffered(walker, metas, payloads, runner, k0, lane_running, nested=Fa
     goes_on = runner.goes_on
     if runner.uniform:  # a scan: stop after the last sampled step (as unbuffered), no write lane_running
         stop = runner.last_sampled(every)
-        goes_on = lambda i, st: lax.lt(i, stop)  # noqa: E731
+        goes_on = lambda i, st, loud=False: lax.lt(i, stop)  # noqa: E731
     n_state = len(runner.state)
 
     def d_body(flat):
@@ -269,7 +272,7 @@ def _drive_buffered(walker, metas, payloads, runner, k0, lane_running, nested=Fa
     # loop's length is unknown, and K=10**9 must not allocate 10**9 rows)
     flush = buf.capacity = max(1, min(flush, _BUFFER_BYTES // max(1, buf.row_bytes())))
     start = _FIRST_STEP
-    out = _seam.while_loop(_goes_on, d_body, (start, k0, goes_on(start, runner.state), *runner.state))
+    out = _seam.while_loop(_goes_on, d_body, (start, k0, goes_on(start, runner.state, True), *runner.state))
     st = list(out[3:])
     return runner.finish(out[0], st, every) if runner.uniform else st
 

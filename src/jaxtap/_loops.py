@@ -243,7 +243,8 @@ def _scan_driver(walker, wants, params, stepped, path, top, args, side, lane_run
         wants = (wants[0], False)  # a body returning (carry, None) has no outputs
     state = [*carry, *ys0, *side0]
     offset = (length - 1) % walker.plan.sample_every if view is not None else 0
-    runner = Runner(state, run_until, lambda i, st: lax.lt(i, n), observe, length, uniform=True, offset=offset)
+    runner = Runner(state, run_until, lambda i, st, loud=False: lax.lt(i, n), observe, length, uniform=True,
+                    offset=offset)
     out = drive(walker, wants, path, top, runner, side=side, collect=collect, lane_running=lane_running, view=view)
     return out[:ncar + nys]
 
@@ -296,6 +297,7 @@ class _WhileRewrite:
         # A while loop that vmap batched keeps a per-lane predicate: it runs while
         # any lane is running and finished lanes keep their carry (as its lowering does).
         self.batched = bool(cond.out_avals[0].shape)
+        self.noisy = _seam.has_debug_effects(cond.jaxpr)  # the user's debug effects in cond_fun: see lane_pred
         self.lane_running = scope.lane_running  # an enclosing lane flag (see handle_scan)
         self.lane_flags = [] if self.lane_running is None else [self.lane_running]
         self.stepped, self.side = None, None
@@ -303,12 +305,23 @@ class _WhileRewrite:
         if walker.buffers and walker.needs(body.jaxpr):
             self._trace_step()
 
-    def lane_pred(self, carry, cc=None):
-        cc = self.cconsts if cc is None else cc
-        return _seam.eval_jaxpr(self.cond.jaxpr, self.cond.consts, *cc, *carry)[0]
+    def lane_pred(self, carry, cc=None, loud=False):
+        """The user's cond on ``carry``. Its debug effects (a ``jax.debug.print``
+        in ``cond_fun``) fire only where ``loud`` (a bool or a traced one):
+        the runner and the driver evaluate the cond more often than the
+        untapped loop, which does once before each step and once at its end."""
+        args = (*(self.cconsts if cc is None else cc), *carry)
+        if not self.noisy or loud is True and not events_only():
+            return _seam.eval_jaxpr(self.cond.jaxpr, self.cond.consts, *args)[0]
 
-    def user_cond(self, carry):
-        pred = self.lane_pred(carry)
+        def quiet(*a):
+            return _seam.eval_jaxpr_quiet(self.cond.jaxpr, self.cond.consts, *a)[0]
+        if loud is False or events_only():
+            return quiet(*args)
+        return lax.cond(loud, lambda *a: _seam.eval_jaxpr(self.cond.jaxpr, self.cond.consts, *a)[0], quiet, *args)
+
+    def user_cond(self, carry, loud=False):
+        pred = self.lane_pred(carry, loud=loud)
         return _seam.any_lane(pred) if self.batched else pred
 
     def user_body(self, step, carry, bc=None, cc=None, buffered=False, outer=None):
@@ -347,7 +360,7 @@ class _WhileRewrite:
         def body(s):
             return (lax.add(s[0], _one()), *self.user_body(s[0], s[1:], outer=self.lane_running))
 
-        out = _seam.while_loop(lambda s: self.user_cond(s[1:]), body, (np.int32(0), *self.init))
+        out = _seam.while_loop(lambda s: self.user_cond(s[1:], loud=True), body, (np.int32(0), *self.init))
         return list(out[1:])
 
     def step(self, step, carry):
@@ -360,7 +373,10 @@ class _WhileRewrite:
 
         def run_until(i, stop, state):
             def r_cond(s):  # i < stop, modulo 2**32 (see _driver._next_stop)
-                return lax.bitwise_and(self.user_cond(s[2:2 + ncarry]), lax.lt(lax.sub(s[0], s[1]), np.int32(0)))
+                # (the cond's debug effects fire here past the runner's first step: the driver
+                # asked the cond of the state it starts from; see Runner)
+                running = self.user_cond(s[2:2 + ncarry], loud=lax.ne(s[0], i))
+                return lax.bitwise_and(running, lax.lt(lax.sub(s[0], s[1]), np.int32(0)))
 
             def r_body(s):
                 return (lax.add(s[0], _one()), s[1], *self.step(s[0], s[2:2 + ncarry]))
@@ -373,5 +389,5 @@ class _WhileRewrite:
         def observe(last, st):
             return _user_view(self.fwd, st[:ncarry], None, self.bconsts, (), last)[0], [], st[ncarry:]
 
-        return Runner(list(self.init) + side0, run_until, lambda i, st: self.user_cond(st[:ncarry]),
+        return Runner(list(self.init) + side0, run_until, lambda i, st, loud=False: self.user_cond(st[:ncarry], loud),
                       observe, None, uniform=False)

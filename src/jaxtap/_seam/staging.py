@@ -8,7 +8,8 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from .eqns import ClosedJaxpr, Tracer, closed_call_p, hi_call_p, impl_of, loop_body, loop_scope
+from .eqns import (DEBUG_EFFECTS, JIT, ClosedJaxpr, Literal, Tracer, closed_call_p, hi_call_p, impl_of, loop_body,
+                   loop_scope, subjaxprs_of)
 from .stack import quiet
 from .versions import internal
 
@@ -20,6 +21,8 @@ __all__ = [
     "bind_with_params",
     "bind_original",
     "eval_jaxpr",
+    "has_debug_effects",
+    "eval_jaxpr_quiet",
     "while_loop",
     "empty_stack",
     "empty_like",
@@ -100,6 +103,40 @@ def bind_original(prim, args, params):
     """The class-level bind, bypassing any instance-level interception."""
     return type(prim).bind(prim, *args, **params)
 eval_jaxpr = jax.core.eval_jaxpr
+
+
+def has_debug_effects(jaxpr) -> bool:
+    """Does ``jaxpr``, or a jaxpr inside it, hold one of the user's debug
+    effects (``DEBUG_EFFECTS``: ``jax.debug.callback``, ``jax.debug.print``,
+    ``inspect_array_sharding``)?"""
+    return any(eqn.primitive.name in DEBUG_EFFECTS or any(map(has_debug_effects, subjaxprs_of(eqn.params)))
+               for eqn in jaxpr.eqns)
+
+
+def eval_jaxpr_quiet(jaxpr, consts, *args):
+    """``eval_jaxpr`` without the user's debug effects, at top level and in
+    the jit calls it makes (those inlined): for a while loop's condition
+    evaluated where the untapped loop would not evaluate it. A debug effect
+    deeper (in a ``cond`` branch, a nested loop) still fires."""
+    env = {}
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in DEBUG_EFFECTS and not eqn.outvars:
+            continue
+        invals = [read(v) for v in eqn.invars]
+        sub = eqn.params.get("jaxpr") if name == JIT else None
+        if sub is not None and has_debug_effects(sub.jaxpr):
+            outs = eval_jaxpr_quiet(sub.jaxpr, sub.consts, *invals)
+        else:
+            outs = eval_eqn(eqn, invals)
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
 
 
 def while_loop(cond_fun, body_fun, init):

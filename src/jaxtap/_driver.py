@@ -57,8 +57,9 @@ class Runner(NamedTuple):
     says whether the loop goes on (a while loop's: the debug effects of the
     user's cond fire only where ``loud``, as the driver's first call asks:
     the runner fires them for every later state it reaches, so that the
-    cond's prints come once per state, as untapped); ``observe(last, state) -> (carry, ys, side values)`` is
-    what a step's tap sees. ``total``: a scan's length (None for a while
+    cond's prints come once per state, as untapped);
+    ``observe(last, state) -> (carry, ys, side values)`` is what a step's
+    tap sees. ``total``: a scan's length (None for a while
     loop); ``uniform``: every runner call ends on a sampled step unless the
     loop ended (a scan), so ``sample_every=1`` needs no lane_running.
     """

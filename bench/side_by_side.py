@@ -28,9 +28,7 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -39,9 +37,8 @@ import jax.numpy as jnp  # noqa: E402
 
 import jaxtap as tap  # noqa: E402
 
-
-def body(c, x):
-    return c * 0.999 + jnp.sin(x) * 0.01, None
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench import body, timeit  # noqa: E402  (the same loop and clock as bench.py)
 
 
 def bare(c0, xs):
@@ -95,20 +92,6 @@ def raw_nan_check(c0, xs):
 def checkified(c0, xs):
     from jax.experimental import checkify
     return checkify.checkify(bare, errors=checkify.float_checks)(c0, xs)  # (err, out): err.throw() on the host
-
-
-def timeit(fn, args, repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    jax.effects_barrier()
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        jax.effects_barrier()
-        times.append(time.perf_counter() - t0)
-    return first, statistics.median(times)
 
 
 def main(argv=None):

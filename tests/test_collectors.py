@@ -451,6 +451,23 @@ def bad_path(request, tmp_path):
     return "/dev/full"  # opens fine, every write fails (disk full)
 
 
+@pytest.mark.parametrize("target", ["stdout's descriptor", "a file object", "None"])
+def test_a_jsonl_writer_or_timeline_takes_a_path_and_nothing_else(target, capfd):
+    """An open file or a descriptor is refused when the writer is made, with
+    the fix named; stdout stays open (a writer closes what it opens)."""
+    import io
+    import sys
+    bad = {"stdout's descriptor": sys.__stdout__.fileno(), "a file object": io.StringIO(), "None": None}[target]
+    with pytest.raises(TypeError, match=r"takes a file path .* e\.g\. tap\.JSONLWriter\('run\.jsonl'\)"):
+        tap.JSONLWriter(bad)
+    with tap.record() as rec:
+        counter_scan(jnp.float32(1.0))
+    with pytest.raises(TypeError, match=r"timeline takes a file path .* rec\.timeline\('run\.trace\.json'\)"):
+        rec.timeline(bad)
+    print("still open", flush=True)
+    assert "still open" in capfd.readouterr().out
+
+
 def test_unwritable_jsonl_warns_once_and_never_disturbs(bad_path):
     ref = counter_scan(jnp.float32(1.0))
     with warnings.catch_warnings(record=True) as caught:

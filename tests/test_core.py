@@ -317,8 +317,10 @@ def test_shard_map_inside_a_loop_is_tapped():
         ({"ops": 3}, TypeError, "ops"),
         ({"max_depth": -1}, ValueError, "max_depth"),
         ({"on_step": 3}, TypeError, "on_step"),
-        ({"where": "scan[0]"}, TypeError, "where"),
-        ({"select": [0]}, TypeError, "select"),
+        ({"where": "scan[0]"}, TypeError, "where=lambda path: path == 'scan"),
+        ({"select": [0]}, TypeError, r"select=lambda leaves: leaves\[0\]"),
+        ({"select_ys": "y"}, TypeError, r"select_ys=lambda ys: ys\[0\]"),
+        ({"backward": "yes"}, TypeError, "backward"),
         ({"alert": "x"}, TypeError, "alert"),
         ({"taps": ["sin"]}, TypeError, "tap.on"),
     ],
@@ -341,6 +343,13 @@ def test_numpy_integers_are_accepted_as_ints():
     with tap.record(sample_every=np.int64(2), flush_every=np.int32(3), max_depth=np.uint8(0)) as rec:
         jax.lax.scan(lambda c, _: (c + 1.0, None), jnp.float32(0), None, length=5)
     assert [e.step for e in rec.events] == [0, 2, 4]
+
+
+def test_numpy_bools_are_accepted_as_flags(capfd):
+    for once, fails in ((np.bool_(True), 1), (np.bool_(False), 3)):
+        with tap.record(alert_once=once, alert=lambda e: True) as rec:
+            jax.lax.scan(lambda c, _: (c + 1.0, None), jnp.float32(0), None, length=3)
+        assert len(rec) == 3 and capfd.readouterr().err.count("[tap] FAIL") == fails
 
 
 @pytest.mark.parametrize("where", [lambda: True, lambda p: 1 / 0, lambda p: np.ones(2)],

@@ -1212,6 +1212,74 @@ def test_equal_options_a_second_block_reusing_the_compilation_with_where():
         assert [(e.path, e.step) for e in rec.events] == [("scan[1]", 0), ("scan[1]", 1)]
 
 
+def test_an_executable_compiled_ahead_of_time_outside_a_block_says_it_runs_untapped():
+    """A `.lower().compile()` executable is a fixed program: made outside a
+    block it runs untapped inside one, and says so once (per executable);
+    one compiled inside the block is tapped; one without loops says
+    nothing; after the blocks, calls go straight to JAX again."""
+    from jax._src import stages
+
+    def f(x):
+        return jax.lax.scan(lambda c, _: (c * 0.9 + 1.0, None), x, None, length=5)[0]
+
+    x = jnp.float32(1.0)
+    want = f(x)
+    before = jax.jit(f).lower(x).compile()
+    no_loop = jax.jit(lambda v: v * 2.0).lower(x).compile()
+    call = stages.Compiled.__call__
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tap.record() as rec:
+            jax.jit(f).lower(x).compile()(x)
+            no_loop(x)
+            for _ in range(2):
+                assert_bits(before(x), want)
+        with tap.record() as again:
+            before(x)
+    said = [str(w.message) for w in caught if "compiled ahead of time" in str(w.message)]
+    assert len(rec) == 5 and len(again) == 0 and len(said) == 1 and "compile it inside the block" in said[0]
+    assert stages.Compiled.__call__ is call
+
+
+_PICK = 0
+_PICK = 0
+
+
+def test_a_select_reading_a_changed_global_or_dict_entry_is_traced_again():
+    """Blocks whose selects are the same code share a compiled program,
+    unless what the select reads changed between them: a global (a
+    module-level `for k in ...:` loop), an entry of a dict it closes over,
+    a primitive tap's select alike. Each block then gets its own leaf."""
+    global _PICK
+    traces = []
+
+    @jax.jit
+    def f(x0):
+        traces.append(1)
+        return jax.lax.scan(lambda c, _: ((c[0] + 1.0, c[1] * 2.0), None), x0, None, length=3)[0]
+
+    x0 = (jnp.float32(0.0), jnp.float32(1.0))
+    f(x0)
+    got = []
+    for k in (0, 1, 1):
+        _PICK = k
+        with tap.record(select=lambda leaves: leaves[_PICK]) as rec:
+            f(x0)
+        got.append([float(e.value) for e in rec.events])
+    assert got == [[1.0, 2.0, 3.0], [2.0, 4.0, 8.0], [2.0, 4.0, 8.0]]
+    assert len(traces) == 3  # untapped, k=0, k=1 (the third block reuses the second's)
+    cfg = {"k": 0}
+    got = []
+    for k in (1, 0):
+        cfg["k"] = k
+        scaled = tap.on("mul", select=lambda o: o[0] * cfg["k"])
+        with tap.record(select=lambda leaves: leaves[cfg["k"]], taps=[scaled]) as rec:
+            f(x0)
+        got.append(([float(e.value) for e in rec.events if e.kind == "carry"],
+                    [float(e.value) for e in rec.events if e.kind != "carry"]))
+    assert got == [([2.0, 4.0, 8.0], [2.0, 4.0, 8.0]), ([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])]
+
+
 def test_equal_options_reused_compilations_keep_each_programs_order():
     """A block that reuses an equal-options block's compilation numbers the
     loops it never traced as their trace bound them (`where` excluded the

@@ -279,7 +279,9 @@ class FlightRecorder:
         keeps when the block has ``timeline=True`` (or ``jit_events`` /
         ``trace_events``); without it they are left out.
         """
+        from ._options import check_path
         from ._timeline import write_timeline
+        check_path("timeline", path, "rec.timeline('run.trace.json')")
         spans = list(self._spans.spans) if self._spans is not None else []
         items, times = self._snapshot(times=True)
         events, stamps = [], []

@@ -23,6 +23,7 @@ from . import _seam
 from ._collectors import _flatten_value
 from ._event import TAG_FIELDS, TapEvent, make_event
 from ._host import warn_once_now
+from ._options import check_path
 
 try:  # optional (``jax-tap[fast]``): numbers' text in C, 20x faster than repr
     import orjson as _orjson
@@ -306,7 +307,8 @@ class JSONLWriter:
     """
 
     def __init__(self, path, *, overwrite: bool = False):
-        self.path = path
+        self.path = check_path("JSONLWriter", path,
+                               "tap.JSONLWriter('run.jsonl') (to watch events on the console: on_step=print)")
         self._lock = threading.Lock()
         self._failed = False
         self._fh = None

@@ -11,6 +11,7 @@ import difflib
 import functools
 import inspect
 import operator
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
@@ -20,14 +21,29 @@ OPS = ("scan", "while_loop")
 _OP_ALIASES = {"scan": "scan", "while_loop": "while", "while": "while", "fori_loop": None, "map": None}
 
 
+# what each callable option is given, for the example in its error message
+_EXAMPLES = {"select": "lambda leaves: leaves[0]", "where": "lambda path: path == 'scan[0]'",
+             "select_ys": "lambda ys: ys[0]"}
+
+
 def _check_callable(name: str, fn, allow_none: bool = True):
     if fn is None and allow_none:
         return
     if not callable(fn):
         raise TypeError(
             f"jax-tap: `{name}` must be callable (or None), got {type(fn).__name__}: {fn!r}. "
-            f"Pass a function, e.g. {name}=lambda e: ..."
+            f"Pass a function, e.g. {name}={_EXAMPLES.get(name, 'lambda e: ...')}"
         )
+
+
+def check_path(owner: str, path, example: str):
+    """``path`` as given, where it names a file (str, bytes or os.PathLike);
+    else a TypeError naming the fix. An open file or a descriptor is refused:
+    the writer closes what it opens, and must not close the user's stdout."""
+    if isinstance(path, (str, bytes, os.PathLike)):
+        return path
+    raise TypeError(f"jax-tap: {owner} takes a file path (a str or os.PathLike), got {type(path).__name__}: "
+                    f"{path!r}. Pass a path, e.g. {example}.")
 
 
 def normalize_ops(ops) -> frozenset:
@@ -120,7 +136,13 @@ class _Same:
 
 def fingerprint(fn) -> Any:
     """A hashable identity for a function: equal for re-created lambdas
-    (same code, same closed-over objects), different otherwise."""
+    (same code, same objects closed over and read as globals, same items in
+    such an object when it is a small dict or list), different otherwise.
+
+    Two blocks whose functions agree share one compiled program; a global
+    or a dict entry changed between them (``for k in ...: with
+    tap.record(select=lambda leaves: leaves[k])``) makes another.
+    """
     if fn is None:
         return None
     if isinstance(fn, functools.partial):
@@ -132,12 +154,37 @@ def fingerprint(fn) -> Any:
     contents = []
     for c in getattr(fn, "__closure__", None) or ():
         try:
-            contents.append(_Same(c.cell_contents))
+            contents.append(_seen(c.cell_contents))
         except ValueError:
             contents.append(None)
     defaults = tuple(_Same(d) for d in (getattr(fn, "__defaults__", None) or ()))
     kwdefaults = tuple(sorted((k, _Same(v)) for k, v in (getattr(fn, "__kwdefaults__", None) or {}).items()))
-    return ("fn", code, tuple(contents), defaults, kwdefaults, _Same(getattr(fn, "__self__", None)))
+    env = getattr(fn, "__globals__", None) or {}
+    read = tuple((name, _seen(env[name])) for name in _global_names(code) if name in env)
+    return ("fn", code, tuple(contents), defaults, kwdefaults, read, _Same(getattr(fn, "__self__", None)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _global_names(code) -> tuple:
+    """The names ``code`` and the functions defined in it may read as globals
+    (attribute names too: reading one that is not a global costs nothing)."""
+    names, todo = set(), [code]
+    while todo:
+        c = todo.pop()
+        names.update(c.co_names)
+        todo.extend(k for k in c.co_consts if inspect.iscode(k))
+    return tuple(sorted(names))
+
+
+def _seen(obj):
+    """An object as a fingerprint sees it: by identity, and a small dict or
+    list also by the identity of each item (a ``cfg["k"] = 1`` between two
+    blocks is seen; a change deeper is not)."""
+    if type(obj) is dict and len(obj) <= 64:
+        return (_Same(obj), tuple((_Same(k), _Same(v)) for k, v in obj.items()))
+    if type(obj) is list and len(obj) <= 64:
+        return (_Same(obj), tuple(map(_Same, obj)))
+    return _Same(obj)
 
 
 @dataclass(frozen=True, eq=False)
@@ -207,8 +254,9 @@ class Config:
                             ("flush_every", check_flush_every), ("max_compiles", check_max_compiles)):
             object.__setattr__(self, name, check(getattr(self, name)))  # numpy ints become ints
         for name in ("alert_once", "alert_ys_once", "jit_events", "trace_events", "timeline", "per_shard", "backward"):
-            if not isinstance(getattr(self, name), (bool, int)):
+            if not isinstance(getattr(self, name), (bool, int, np.bool_)):
                 raise TypeError(f"jax-tap: `{name}` must be True or False, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, bool(getattr(self, name)))  # (a numpy bool counts too)
         # one tap alone is a list of one (taps=tap.watch_nan("log") reads naturally)
         taps = (self.taps,) if isinstance(self.taps, PrimTap) else self.taps or ()
         try:

@@ -24,6 +24,8 @@ __all__ = [
     "watch_jit",
     "cost_analysis",
     "watch_promotions",
+    "watch_compiled_calls",
+    "untapped_loops",
     "jit_function_site",
     "span_name",
     "is_user_file",
@@ -42,6 +44,7 @@ _compiler = internal("jax._src.compiler")
 _core = internal("jax._src.core")
 _config = internal("jax._src.config")
 _source_info = internal("jax._src.source_info_util")
+_stages = internal("jax._src.stages")
 
 TRACE_SPAN = getattr(_dispatch, "JAXPR_TRACE_EVENT", "/jax/core/compile/jaxpr_trace_duration")
 LOWER_SPAN = getattr(_dispatch, "JAXPR_TO_MLIR_MODULE_EVENT", "/jax/core/compile/jaxpr_to_mlir_module_duration")
@@ -56,6 +59,8 @@ class _Hooks:
     lock = threading.Lock()
     jit = None  # (on_call, on_span, on_event, on_executable) while watched
     promote = None  # on_promote(n_promoted) while watched
+    compiled = None  # on_call(executable) while watched
+    orig_compiled_call = None
     orig_infer = None
     orig_compile = None
     orig_promote = None
@@ -180,6 +185,49 @@ def watch_promotions(on_promote) -> bool:
             _loops._promote_weak_typed_input = _promote
         _Hooks.promote = on_promote
         return True
+
+
+def _compiled_call(self, *args, **kwargs):
+    hook = _Hooks.compiled
+    if hook is not None:
+        try:
+            hook(self)
+        except Exception:  # noqa: BLE001 - telemetry never breaks a call
+            pass
+    return _Hooks.orig_compiled_call(self, *args, **kwargs)
+
+
+_compiled_call.__jaxtap_patch__ = True
+
+
+def watch_compiled_calls(on_call) -> bool:
+    """Call ``on_call(executable)`` before each call of an ahead-of-time
+    compiled executable (``jax.jit(f).lower(x).compile()``); None stops."""
+    compiled = getattr(_stages, "Compiled", None)
+    if compiled is None or not callable(getattr(compiled, "__call__", None)):
+        return False
+    with _Hooks.lock:
+        if on_call is None:
+            if _Hooks.compiled is not None:
+                _Hooks.compiled = None
+                if getattr(compiled.__call__, "__jaxtap_patch__", False):
+                    compiled.__call__ = _Hooks.orig_compiled_call
+            return True
+        if _Hooks.compiled is None:
+            _Hooks.orig_compiled_call = compiled.__call__
+            compiled.__call__ = _compiled_call
+        _Hooks.compiled = on_call
+        return True
+
+
+def untapped_loops(executable) -> bool:
+    """Does a compiled executable hold a loop that no lens rewrote (its
+    program names none of jax-tap's own operations)? False when unsure."""
+    try:
+        text = executable.as_text()
+    except Exception:  # noqa: BLE001 - a backend without HLO text
+        return False
+    return bool(text) and re.search(r"\bwhile\(", text) is not None and "jaxtap_" not in text
 
 
 _SOURCEINFO = re.compile(r"^(?P<name>.*) at (?P<file>.*):(?P<line>\d+)$")

@@ -1241,6 +1241,33 @@ def test_an_executable_compiled_ahead_of_time_outside_a_block_says_it_runs_untap
     assert stages.Compiled.__call__ is call
 
 
+def test_eager_primitives_in_a_block_reuse_their_clean_compilation():
+    """An eager `lax.sin(x)` is the same program in a block and out of one:
+    a block runs its clean compilation (no compile per eager op); an eager
+    op jax-tap taps is still tapped, and clean again after the block."""
+    from jax import monitoring
+
+    x = jnp.arange(3.0, dtype=jnp.float32)
+    jax.lax.cos(jax.lax.sin(x))
+    compiles = []
+    listener = lambda name, *a, **k: compiles.append(name) if "backend_compile" in name else None  # noqa: E731
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        with tap.record() as rec:
+            got = jax.lax.cos(jax.lax.sin(x))
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+    with tap.record(taps=[tap.on("sin")], ops=()) as tapped:
+        jax.lax.sin(x)
+    assert_bits(got, jax.lax.cos(jax.lax.sin(x)))
+    assert compiles == [] and len(rec) == 0
+    assert [e.kind for e in tapped.events] == ["primitive"]
+    with tap.record() as after:
+        jax.lax.sin(x)
+    assert len(after) == 0
+
+
+_PICK = 0
 _PICK = 0
 _PICK = 0
 

@@ -298,6 +298,7 @@ def _sync_patches():
         _seam.monitor.watch_jit(None, None, None)
     _seam.monitor.watch_promotions(_on_promotion if any(t.trace_events for t in times) else None)
     _seam.monitor.watch_compiled_calls(_on_compiled_call if _REGISTRY.n_active else None)
+    _seam.clean_eager_dispatch(bool(_REGISTRY.n_active))
 
 
 def _on_compiled_call(executable):
@@ -367,6 +368,7 @@ def _uninstall_all():
     _seam.monitor.watch_jit(None, None, None)
     _seam.monitor.watch_promotions(None)
     _seam.monitor.watch_compiled_calls(None)
+    _seam.clean_eager_dispatch(False)
 
 
 def _make_bind(prim):

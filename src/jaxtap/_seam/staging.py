@@ -3,6 +3,8 @@ JAX does, and the few lax building blocks the loop rewrites use."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from typing import Any, Callable, Sequence
 
 import jax
@@ -10,7 +12,7 @@ import numpy as np
 
 from .eqns import (DEBUG_EFFECTS, JIT, ClosedJaxpr, Literal, Tracer, closed_call_p, hi_call_p, impl_of, loop_body,
                    loop_scope, subjaxprs_of)
-from .stack import quiet
+from .stack import TOKEN_STATE, bind_is_patched, quiet
 from .versions import internal
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "eval_jaxpr",
     "has_debug_effects",
     "eval_jaxpr_quiet",
+    "clean_eager_dispatch",
     "while_loop",
     "empty_stack",
     "empty_like",
@@ -51,6 +54,7 @@ _slicing = internal("jax._src.lax.slicing")
 _eval_jaxpr_mod = internal("jax._src.lax.eval_jaxpr")
 _state_types = internal("jax._src.state.types")
 _lax = internal("jax._src.lax.lax")
+_dispatch = internal("jax._src.dispatch")
 _mesh_mod = internal("jax._src.mesh")
 
 # What a compiled program raises while it runs (a host callback that raised,
@@ -323,3 +327,52 @@ def impl_expansion(prim, params, avals, eqn=None):
         _IMPL_EXPANSIONS.clear()
     _IMPL_EXPANSIONS[key] = (params, list(avals), expanded)
     return expanded
+
+
+# ------------------------------------------------------- eager primitives
+class _Eager:
+    lock = threading.Lock()
+    orig = None  # dispatch.xla_primitive_callable while ours stands in
+
+
+def _primitive_callable(prim, **params):
+    """``xla_primitive_callable`` (an eager primitive's compiled program)
+    under the clean jit key, for a primitive that holds no jaxpr and whose
+    bind jax-tap does not intercept: its program is the same in a block and
+    out of one, so a block reuses the clean compilation instead of compiling
+    every eager op once more per configuration."""
+    orig = _Eager.orig or _dispatch.xla_primitive_callable
+    if TOKEN_STATE is None or bind_is_patched(prim) or subjaxprs_of(params):
+        return orig(prim, **params)
+    prev = TOKEN_STATE.swap_local(None)
+    try:
+        fun = orig(prim, **params)
+    finally:
+        TOKEN_STATE.set_local(prev)
+    return functools.partial(_call_clean, fun)
+
+
+def _call_clean(fun, *args):
+    prev = TOKEN_STATE.swap_local(None)
+    try:
+        return fun(*args)
+    finally:
+        TOKEN_STATE.set_local(prev)
+
+
+_primitive_callable.__jaxtap_patch__ = True
+
+
+def clean_eager_dispatch(on: bool) -> bool:
+    """While ``on`` (a with-block is active), eager primitives outside
+    jax-tap's interception run their clean compilations (see
+    :func:`_primitive_callable`). False on a JAX without the hook."""
+    if _dispatch is None or not callable(getattr(_dispatch, "xla_primitive_callable", None)):
+        return False
+    with _Eager.lock:
+        current = _dispatch.xla_primitive_callable
+        if on and not getattr(current, "__jaxtap_patch__", False):
+            _Eager.orig, _dispatch.xla_primitive_callable = current, _primitive_callable
+        elif not on and getattr(current, "__jaxtap_patch__", False):
+            _dispatch.xla_primitive_callable = _Eager.orig
+    return True

@@ -451,13 +451,14 @@ def bad_path(request, tmp_path):
     return "/dev/full"  # opens fine, every write fails (disk full)
 
 
-@pytest.mark.parametrize("target", ["stdout's descriptor", "a file object", "None"])
+@pytest.mark.parametrize("target", ["stdout's descriptor", "a file object", "None", "bytes"])
 def test_a_jsonl_writer_or_timeline_takes_a_path_and_nothing_else(target, capfd):
     """An open file or a descriptor is refused when the writer is made, with
     the fix named; stdout stays open (a writer closes what it opens)."""
     import io
     import sys
-    bad = {"stdout's descriptor": sys.__stdout__.fileno(), "a file object": io.StringIO(), "None": None}[target]
+    bad = {"stdout's descriptor": sys.__stdout__.fileno(), "a file object": io.StringIO(), "None": None,
+           "bytes": b"run.jsonl"}[target]
     with pytest.raises(TypeError, match=r"takes a file path .* e\.g\. tap\.JSONLWriter\('run\.jsonl'\)"):
         tap.JSONLWriter(bad)
     with tap.record() as rec:

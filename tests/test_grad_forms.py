@@ -105,28 +105,48 @@ def _below(v):  # a jitted helper of the cond: its callback is the user's too
     return v < 30.0
 
 
+@jax.custom_jvp
+def _positive(v):  # a custom_jvp function of the cond, and a checkpointed one: theirs too
+    jax.debug.callback(lambda u: SEEN.append(("custom_jvp", float(u))), v)
+    return v > -1.0
+
+
+_positive.defjvp(lambda p, t: (_positive(p[0]), jnp.zeros((), jax.dtypes.float0)))
+
+
+@jax.checkpoint
+def _finite(v):
+    jax.debug.callback(lambda u: SEEN.append(("checkpoint", float(u))), v)
+    return jnp.isfinite(v)
+
+
 def _grow(x):
     """A while loop whose cond_fun prints (a data-dependent trip count: XLA
     keeps the cond's side effects only then)."""
     def cond(c):
         jax.debug.callback(lambda u: SEEN.append(("cond", float(u))), c[1])
-        return _below(c[1])
+        return _below(c[1]) & _positive(c[1]) & _finite(c[1])
     return jax.lax.while_loop(cond, lambda c: (c[0] + 1, c[1] * 1.5 + 1.0), (0, x))[1]
+
+
+def _grown_in_a_scan(x):
+    return jax.lax.scan(lambda c, _: (_grow(c) - 29.0, None), x, None, length=3)[0]
 
 
 GROWN = {
     "jit": lambda: jax.jit(_grow)(X),
     "eager": lambda: _grow(X),
-    "in a scan": lambda: jax.jit(lambda x: jax.lax.scan(lambda c, _: (_grow(c) - 29.0, None), x, None, length=3))(X),
+    "in a scan": lambda: jax.jit(_grown_in_a_scan)(X),
     "jvp": lambda: jax.jit(lambda x: jax.jvp(_grow, (x,), (jnp.float32(1.0),)))(X),
+    "jvp of a scan": lambda: jax.jit(lambda x: jax.jvp(_grown_in_a_scan, (x,), (jnp.float32(1.0),)))(X),
     "vmap": lambda: jax.jit(jax.vmap(_grow))(jnp.stack([X, X + 1])),
 }
 COND_GAPS = {"vmap": "vmap batches the runner's cond into its body too: the cond fires 3 times per step, "
                      "untapped 2 (README: Known limitations)"}
 
 
-@pytest.mark.parametrize("options", [{}, {"sample_every": 3}, {"flush_every": 4}], ids=["every step", "every 3",
-                                                                                       "buffered"])
+@pytest.mark.parametrize("options", [{}, {"sample_every": 3}, {"flush_every": 4}, {"max_depth": 0}],
+                         ids=["every step", "every 3", "buffered", "outermost only"])
 @pytest.mark.parametrize("form", list(cases({name: COND_GAPS.get(name) for name in GROWN})))
 def test_a_while_conds_debug_callbacks_fire_as_often_as_untapped(form, options):
     """The runner and the driver evaluate a while loop's cond more often than
@@ -139,7 +159,7 @@ def test_a_while_conds_debug_callbacks_fire_as_often_as_untapped(form, options):
     with tap.record(**options) as rec:
         got = sync(GROWN[form]())
     assert_bits(got, want)
-    assert len(rec) and plain and {tag for tag, _ in plain} == {"cond", "helper"}
+    assert len(rec) and plain and {tag for tag, _ in plain} == {"cond", "helper", "custom_jvp", "checkpoint"}
     assert sorted(SEEN) == plain
 
 

@@ -1225,12 +1225,14 @@ def test_an_executable_compiled_ahead_of_time_outside_a_block_says_it_runs_untap
     x = jnp.float32(1.0)
     want = f(x)
     before = jax.jit(f).lower(x).compile()
+    key = jax.random.key(0)
     no_loop = jax.jit(lambda v: v * 2.0).lower(x).compile()
     call = stages.Compiled.__call__
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with tap.record() as rec:
             jax.jit(f).lower(x).compile()(x)
+            jax.jit(lambda k: jax.random.gamma(k, 2.0)).lower(key).compile()(key)  # (JAX's own loop: silent)
             no_loop(x)
             for _ in range(2):
                 assert_bits(before(x), want)
@@ -1255,6 +1257,8 @@ def test_eager_primitives_in_a_block_reuse_their_clean_compilation():
     try:
         with tap.record() as rec:
             got = jax.lax.cos(jax.lax.sin(x))
+            from jax._src import dispatch
+            assert dispatch.xla_primitive_callable.cache_info().hits >= 0  # (JAX's test helpers read it)
     finally:
         monitoring.unregister_event_duration_listener(listener)
     with tap.record(taps=[tap.on("sin")], ops=()) as tapped:
@@ -1305,6 +1309,35 @@ def test_a_select_reading_a_changed_global_or_dict_entry_is_traced_again():
         got.append(([float(e.value) for e in rec.events if e.kind == "carry"],
                     [float(e.value) for e in rec.events if e.kind != "carry"]))
     assert got == [([2.0, 4.0, 8.0], [2.0, 4.0, 8.0]), ([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])]
+    # through a helper of the user's that reads the global, a partial over a list, a default list
+    pick, got = [0], []
+    for k in (1, 0):
+        _PICK, pick[0] = k, k
+        selects = (lambda leaves: _picked(leaves), functools.partial(_nth, pick), lambda leaves, p=pick: leaves[p[0]])
+        for select in selects:
+            with tap.record(select=select) as rec:
+                f(x0)
+            got.append(float(rec.events[-1].value))
+    assert got == [8.0] * 3 + [3.0] * 3
+    # and an equal value rebound (a new float object each time) shares the program
+    n = len(traces)
+    for _ in range(3):
+        global _SCALE
+        _SCALE = float("0.5")
+        with tap.record(select=lambda leaves: leaves[0] * _SCALE):
+            f(x0)
+    assert len(traces) == n + 1
+
+
+_SCALE = 0.5
+
+
+def _picked(leaves):
+    return leaves[_PICK]
+
+
+def _nth(where, leaves):
+    return leaves[where[0]]
 
 
 def test_equal_options_reused_compilations_keep_each_programs_order():

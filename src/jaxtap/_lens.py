@@ -297,22 +297,20 @@ def _sync_patches():
     else:
         _seam.monitor.watch_jit(None, None, None)
     _seam.monitor.watch_promotions(_on_promotion if any(t.trace_events for t in times) else None)
-    _seam.monitor.watch_compiled_calls(_on_compiled_call if _REGISTRY.n_active else None)
+    _seam.monitor.watch_compiled_calls(_on_compiled_call if _REGISTRY.n_active else None, _AOT_SEEN.add)
     _seam.clean_eager_dispatch(bool(_REGISTRY.n_active))
 
 
 def _on_compiled_call(executable):
-    """An executable compiled ahead of time is a fixed program: one made
-    outside any block runs untapped in a block. Say so once per executable."""
+    """An executable compiled ahead of time outside any block (those compiled in one are seen already)
+    is a fixed program: it runs untapped in a block. Say so once per executable."""
     ctx = _REGISTRY.top(threading.get_ident()) or _REGISTRY.sole()
-    if ctx is None or not ctx._plan.rewrites or executable in _AOT_SEEN:
-        return
-    _AOT_SEEN.add(executable)
-    if _seam.monitor.untapped_loops(executable):
-        warn_once_now("jax-tap: an executable compiled ahead of time (jax.jit(f).lower(...).compile()) outside "
-                      "any block (or with every loop left out by `where`/`max_depth`) runs untapped here: its "
-                      "loops send no events. Call the jitted function itself in the block, or compile it "
-                      "inside the block.")
+    if ctx is not None and ctx._plan.rewrites and executable not in _AOT_SEEN:
+        _AOT_SEEN.add(executable)
+        if _seam.monitor.untapped_loops(executable):
+            warn_once_now("jax-tap: an executable compiled ahead of time (jax.jit(f).lower(...).compile()) "
+                          "outside any block runs untapped here: its loops send no events. Call the jitted "
+                          "function itself in the block, or compile it inside the block.")
 
 
 _AOT_SEEN = weakref.WeakSet()

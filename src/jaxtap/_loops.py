@@ -264,7 +264,9 @@ def handle_while(walker, eqn, params, invals, scope, site):
     path, top = scope.address("while", _seam.loop_site(_seam.while_p, params, site))
     wants = walker.loop_wants("while", path, scope.provisional)
     emits = any(wants)
-    if (not emits and not walker.needs(body.jaxpr)) or refs_untapped(_seam.while_p, params, invals):
+    # (an events-only run threads even a loop it leaves alone whose cond prints: it prints in the user's run)
+    quiet_cond = events_only() and _seam.has_debug_effects(cond.jaxpr)
+    if (not emits and not walker.needs(body.jaxpr) and not quiet_cond) or refs_untapped(_seam.while_p, params, invals):
         return _bind(eqn, _seam.while_p, invals, params)
 
     def plain(*args):

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import dis
 import functools
 import inspect
 import operator
 import os
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
@@ -37,10 +39,10 @@ def _check_callable(name: str, fn, allow_none: bool = True):
 
 
 def check_path(owner: str, path, example: str):
-    """``path`` as given, where it names a file (str, bytes or os.PathLike);
+    """``path`` as given, where it names a file (str or os.PathLike);
     else a TypeError naming the fix. An open file or a descriptor is refused:
     the writer closes what it opens, and must not close the user's stdout."""
-    if isinstance(path, (str, bytes, os.PathLike)):
+    if isinstance(path, (str, os.PathLike)):
         return path
     raise TypeError(f"jax-tap: {owner} takes a file path (a str or os.PathLike), got {type(path).__name__}: "
                     f"{path!r}. Pass a path, e.g. {example}.")
@@ -136,8 +138,9 @@ class _Same:
 
 def fingerprint(fn) -> Any:
     """A hashable identity for a function: equal for re-created lambdas
-    (same code, same objects closed over and read as globals, same items in
-    such an object when it is a small dict or list), different otherwise.
+    (same code, same objects closed over, in its defaults and read as
+    globals, by it or by the functions of the user's it calls; scalars by
+    value, small dicts and lists item by item), different otherwise.
 
     Two blocks whose functions agree share one compiled program; a global
     or a dict entry changed between them (``for k in ...: with
@@ -146,8 +149,8 @@ def fingerprint(fn) -> Any:
     if fn is None:
         return None
     if isinstance(fn, functools.partial):
-        return ("partial", fingerprint(fn.func), tuple(_Same(a) for a in fn.args),
-                tuple(sorted((k, _Same(v)) for k, v in (fn.keywords or {}).items())))
+        return ("partial", fingerprint(fn.func), tuple(map(_seen, fn.args)),
+                tuple(sorted((k, _seen(v)) for k, v in (fn.keywords or {}).items())))
     code = getattr(fn, "__code__", None)
     if code is None:
         return ("obj", _Same(fn))
@@ -157,32 +160,56 @@ def fingerprint(fn) -> Any:
             contents.append(_seen(c.cell_contents))
         except ValueError:
             contents.append(None)
-    defaults = tuple(_Same(d) for d in (getattr(fn, "__defaults__", None) or ()))
-    kwdefaults = tuple(sorted((k, _Same(v)) for k, v in (getattr(fn, "__kwdefaults__", None) or {}).items()))
+    defaults = tuple(map(_seen, getattr(fn, "__defaults__", None) or ()))
+    kwdefaults = tuple(sorted((k, _seen(v)) for k, v in (getattr(fn, "__kwdefaults__", None) or {}).items()))
+    return ("fn", code, tuple(contents), defaults, kwdefaults, _globals_read(fn), _Same(getattr(fn, "__self__", None)))
+
+
+def _globals_read(fn, depth=0, seen=None) -> tuple:
+    """(name, value) of the globals ``fn`` reads, and those read by the
+    plain functions of the user's that it reads as globals (not jax's or
+    numpy's: their globals do not change), three calls deep."""
     env = getattr(fn, "__globals__", None) or {}
-    read = tuple((name, _seen(env[name])) for name in _global_names(code) if name in env)
-    return ("fn", code, tuple(contents), defaults, kwdefaults, read, _Same(getattr(fn, "__self__", None)))
+    seen = set() if seen is None else seen
+    seen.add(id(fn))
+    out = []
+    for name in _global_names(fn.__code__):
+        if name not in env:
+            continue
+        value = env[name]
+        out.append((name, _seen(value)))
+        if (depth < 2 and isinstance(value, types.FunctionType) and id(value) not in seen
+                and not (getattr(value, "__module__", None) or "").startswith(_LIBRARIES)):
+            out.append((name, _globals_read(value, depth + 1, seen)))
+    return tuple(out)
+
+
+_LIBRARIES = ("jax", "numpy", "jaxtap", "jaxlib", "scipy")
 
 
 @functools.lru_cache(maxsize=1024)
 def _global_names(code) -> tuple:
-    """The names ``code`` and the functions defined in it may read as globals
-    (attribute names too: reading one that is not a global costs nothing)."""
+    """The names ``code`` and the functions defined in it read as globals."""
     names, todo = set(), [code]
     while todo:
         c = todo.pop()
-        names.update(c.co_names)
+        names.update(i.argval for i in dis.get_instructions(c) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME"))
         todo.extend(k for k in c.co_consts if inspect.iscode(k))
     return tuple(sorted(names))
 
 
 def _seen(obj):
-    """An object as a fingerprint sees it: by identity, and a small dict or
-    list also by the identity of each item (a ``cfg["k"] = 1`` between two
-    blocks is seen; a change deeper is not)."""
-    if type(obj) is dict and len(obj) <= 64:
+    """An object as a fingerprint sees it: a scalar by value, a small dict
+    or list also by the identity of each item (a ``cfg["k"] = 1`` between
+    two blocks is seen; a change deeper is not), anything else by identity."""
+    kind = type(obj)
+    if kind in (int, bool, str, bytes, type(None)):
+        return ("=", kind, obj)
+    if kind in (float, complex):
+        return ("=", kind, repr(obj))  # (-0.0 and 0.0 differ)
+    if kind is dict and len(obj) <= 64:
         return (_Same(obj), tuple((_Same(k), _Same(v)) for k, v in obj.items()))
-    if type(obj) is list and len(obj) <= 64:
+    if kind is list and len(obj) <= 64:
         return (_Same(obj), tuple(map(_Same, obj)))
     return _Same(obj)
 

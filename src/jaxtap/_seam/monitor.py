@@ -59,8 +59,9 @@ class _Hooks:
     lock = threading.Lock()
     jit = None  # (on_call, on_span, on_event, on_executable) while watched
     promote = None  # on_promote(n_promoted) while watched
-    compiled = None  # on_call(executable) while watched
+    compiled = None  # (on_call(executable), on_compiled(executable)) while watched
     orig_compiled_call = None
+    orig_lowered_compile = None
     orig_infer = None
     orig_compile = None
     orig_promote = None
@@ -188,23 +189,35 @@ def watch_promotions(on_promote) -> bool:
 
 
 def _compiled_call(self, *args, **kwargs):
-    hook = _Hooks.compiled
-    if hook is not None:
+    hooks = _Hooks.compiled
+    if hooks is not None:
         try:
-            hook(self)
+            hooks[0](self)
         except Exception:  # noqa: BLE001 - telemetry never breaks a call
             pass
     return _Hooks.orig_compiled_call(self, *args, **kwargs)
 
 
-_compiled_call.__jaxtap_patch__ = True
+def _lowered_compile(self, *args, **kwargs):
+    out = _Hooks.orig_lowered_compile(self, *args, **kwargs)
+    hooks = _Hooks.compiled
+    if hooks is not None:
+        try:
+            hooks[1](out)
+        except Exception:  # noqa: BLE001
+            pass
+    return out
 
 
-def watch_compiled_calls(on_call) -> bool:
+_compiled_call.__jaxtap_patch__ = _lowered_compile.__jaxtap_patch__ = True
+
+
+def watch_compiled_calls(on_call, on_compiled=None) -> bool:
     """Call ``on_call(executable)`` before each call of an ahead-of-time
-    compiled executable (``jax.jit(f).lower(x).compile()``); None stops."""
-    compiled = getattr(_stages, "Compiled", None)
-    if compiled is None or not callable(getattr(compiled, "__call__", None)):
+    compiled executable (``jax.jit(f).lower(x).compile()``), and
+    ``on_compiled(executable)`` when one is compiled; None stops."""
+    compiled, lowered = getattr(_stages, "Compiled", None), getattr(_stages, "Lowered", None)
+    if compiled is None or lowered is None or not callable(getattr(lowered, "compile", None)):
         return False
     with _Hooks.lock:
         if on_call is None:
@@ -212,11 +225,13 @@ def watch_compiled_calls(on_call) -> bool:
                 _Hooks.compiled = None
                 if getattr(compiled.__call__, "__jaxtap_patch__", False):
                     compiled.__call__ = _Hooks.orig_compiled_call
+                if getattr(lowered.compile, "__jaxtap_patch__", False):
+                    lowered.compile = _Hooks.orig_lowered_compile
             return True
         if _Hooks.compiled is None:
-            _Hooks.orig_compiled_call = compiled.__call__
-            compiled.__call__ = _compiled_call
-        _Hooks.compiled = on_call
+            _Hooks.orig_compiled_call, _Hooks.orig_lowered_compile = compiled.__call__, lowered.compile
+            compiled.__call__, lowered.compile = _compiled_call, _lowered_compile
+        _Hooks.compiled = (on_call, on_compiled or (lambda exe: None))
         return True
 
 

@@ -10,8 +10,8 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from .eqns import (DEBUG_EFFECTS, JIT, ClosedJaxpr, Literal, Tracer, closed_call_p, hi_call_p, impl_of, loop_body,
-                   loop_scope, subjaxprs_of)
+from .eqns import (CLOSED_CALL, CUSTOM_JVP, CUSTOM_VJP, DEBUG_EFFECTS, JIT, REMAT, ClosedJaxpr, Literal, Tracer,
+                   closed_call_p, hi_call_p, impl_of, loop_body, loop_scope, subjaxprs_of)
 from .stack import TOKEN_STATE, bind_is_patched, quiet
 from .versions import internal
 
@@ -117,11 +117,16 @@ def has_debug_effects(jaxpr) -> bool:
                for eqn in jaxpr.eqns)
 
 
+# the calls eval_jaxpr_quiet opens (the param holding the called jaxpr)
+_CALLS = {JIT: "jaxpr", REMAT: "jaxpr", CLOSED_CALL: "call_jaxpr", CUSTOM_JVP: "call_jaxpr", CUSTOM_VJP: "call_jaxpr"}
+
+
 def eval_jaxpr_quiet(jaxpr, consts, *args):
     """``eval_jaxpr`` without the user's debug effects, at top level and in
-    the jit calls it makes (those inlined): for a while loop's condition
-    evaluated where the untapped loop would not evaluate it. A debug effect
-    deeper (in a ``cond`` branch, a nested loop) still fires."""
+    the calls it makes (``jit``, ``checkpoint``, ``custom_jvp``/``custom_vjp``
+    functions: those inlined, their rules unused: only values are asked):
+    for a while loop's condition evaluated where the untapped loop would not
+    evaluate it. A debug effect deeper (a ``cond`` branch, a loop) fires."""
     env = {}
 
     def read(v):
@@ -134,9 +139,10 @@ def eval_jaxpr_quiet(jaxpr, consts, *args):
         if name in DEBUG_EFFECTS and not eqn.outvars:
             continue
         invals = [read(v) for v in eqn.invars]
-        sub = eqn.params.get("jaxpr") if name == JIT else None
-        if sub is not None and has_debug_effects(sub.jaxpr):
-            outs = eval_jaxpr_quiet(sub.jaxpr, sub.consts, *invals)
+        sub = eqn.params.get(_CALLS[name]) if name in _CALLS else None
+        inner = getattr(sub, "jaxpr", sub)  # (a checkpoint holds an open jaxpr)
+        if sub is not None and has_debug_effects(inner):
+            outs = eval_jaxpr_quiet(inner, getattr(sub, "consts", ()) if inner is not sub else (), *invals)
         else:
             outs = eval_eqn(eqn, invals)
         env.update(zip(eqn.outvars, outs))
@@ -372,6 +378,9 @@ def clean_eager_dispatch(on: bool) -> bool:
     with _Eager.lock:
         current = _dispatch.xla_primitive_callable
         if on and not getattr(current, "__jaxtap_patch__", False):
+            for name in ("cache_clear", "cache_info", "cache_parameters"):  # (JAX's test helpers read them)
+                if hasattr(current, name):
+                    setattr(_primitive_callable, name, getattr(current, name))
             _Eager.orig, _dispatch.xla_primitive_callable = current, _primitive_callable
         elif not on and getattr(current, "__jaxtap_patch__", False):
             _dispatch.xla_primitive_callable = _Eager.orig

@@ -350,18 +350,15 @@ def _primitive_callable(prim, **params):
     orig = _Eager.orig or _dispatch.xla_primitive_callable
     if TOKEN_STATE is None or bind_is_patched(prim) or subjaxprs_of(params):
         return orig(prim, **params)
-    prev = TOKEN_STATE.swap_local(None)
-    try:
-        fun = orig(prim, **params)
-    finally:
-        TOKEN_STATE.set_local(prev)
-    return functools.partial(_call_clean, fun)
+    return functools.partial(_clean, _clean(orig, prim, **params))
 
 
-def _call_clean(fun, *args):
+def _clean(fn, /, *args, **kwargs):
+    """``fn(*args, **kwargs)`` under the clean jit key (this thread's token
+    swapped out, then back)."""
     prev = TOKEN_STATE.swap_local(None)
     try:
-        return fun(*args)
+        return fn(*args, **kwargs)
     finally:
         TOKEN_STATE.set_local(prev)
 

@@ -172,12 +172,17 @@ def test_sample_every_reduces_events(script, tmp_path):
     (["--sample-every", "0", "train.py"], "--sample-every: must be a positive integer"),
     (["--max-depth", "-1", "train.py"], "--max-depth: must be an integer >= 0"),
     (["--summary"], "no script given"),
+    (["--jsonl", "train.py", "train.py"], "--jsonl 'train.py' is the script itself"),
+    (["--timeline", "./train.py", "train.py"], "--timeline './train.py' is the script itself"),
+    (["--jsonl", "o.json", "--timeline", "o.json", "train.py"], "name the same file 'o.json'"),
 ])
 def test_bad_input_exits_2_before_running(script, args, message):
+    before = script.read_text()
     r = run_cli(script.parent, *args)
     assert r.returncode == 2
     assert message in r.stderr and "usage: python -m jaxtap" in r.stderr
     assert "result" not in r.stdout
+    assert script.read_text() == before and not (script.parent / "o.json").exists()
 
 
 def test_ctrl_c_stops_the_run_with_exit_130(tmp_path):

@@ -302,12 +302,14 @@ def test_jsonl_context_manager_closes(tmp_path):
     with tap.JSONLWriter(str(path)) as w:
         assert isinstance(w, tap.JSONLWriter)
         w(tap.TapEvent("scan[0]", 0, np.float32(1.0), 2))
-    # after close, further events are dropped silently (no raise, no warning)
+    # after close, further events are dropped, said once (helper-44: silently before)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         w(tap.TapEvent("scan[0]", 1, np.float32(2.0), 2))
+        w(tap.TapEvent("scan[0]", 2, np.float32(3.0), 2))
         w.close()  # idempotent
-    assert tap_warnings(caught) == []
+    said = tap_warnings(caught)
+    assert len(said) == 1 and "after close()" in str(said[0].message) and "make a new JSONLWriter" in str(said[0].message)
     assert len(path.read_text().splitlines()) == 1
 
 

@@ -362,6 +362,25 @@ def test_a_broken_where_is_an_error_not_an_untapped_run(where):
     assert_bits(f(jnp.float32(0)), jnp.float32(3.0))
 
 
+def test_a_where_that_chooses_no_loop_says_so_at_the_blocks_exit():
+    # helper-45: a `where` copied from another run (library loops renumber
+    # between blocks under grad) silently recorded nothing
+    f = jax.jit(lambda x: jax.lax.scan(lambda c, _: (jax.lax.while_loop(lambda d: d < 3.0, lambda d: d + 1.0, c),
+                                                     None), x, None, length=2)[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tap.record(where=lambda p: p == "while[9]/while[1]") as missed:
+            f(jnp.float32(0))
+        with tap.record(where=lambda p: p == "scan[0]/while[0]") as chosen:
+            f(jnp.float32(0))
+        with tap.record(where=lambda p: False, taps=[tap.on("add")]) as prims_only:
+            f(jnp.float32(0))
+        sync()
+    said = [str(w.message) for w in caught if issubclass(w.category, tap.TapWarning)]
+    assert len(missed) == 0 and len(chosen) > 0 and len(prims_only) > 0
+    assert len(said) == 1 and "chose none of the loops" in said[0] and "scan[0], scan[0]/while[0]" in said[0]
+
+
 def test_non_callable_f_is_rejected():
     with pytest.raises(TypeError, match="function"):
         tap.verbose(3)
@@ -741,6 +760,35 @@ def test_sub_byte_carries_cross_with_their_values_and_dtype(dtype, flush_every):
     assert all(np.array_equal(v.view(np.uint8), e.view(np.uint8)) for v, e in zip(carries, expected))
     ys = [e.value for e in rec.events if e.kind == "output"]
     assert len(ys) == 3 and np.array_equal(ys[0].astype(np.float32), np.asarray(x0).astype(np.float32))
+
+
+@pytest.mark.parametrize("form", ["scan", "while", "buffered", "vmap"])
+def test_a_float0_carry_leaf_crosses_as_zeros(form, tmp_path):
+    # a gradient of an int leaf (jax.grad(..., allow_int=True)) is float0: it
+    # has no data, and a carry holding one used to crash the tapped program
+    # (helper-44: JAX's bitcast refuses float0)
+    g = jax.grad(lambda p: p["w"] * p["n"].astype(jnp.float32), allow_int=True)(
+        {"w": jnp.float32(2.0), "n": jnp.int32(3)})
+
+    def f(w, g):
+        if form == "while":
+            return jax.lax.while_loop(lambda c: c[0] > 1.0, lambda c: (c[0] - 0.3 * c[1]["w"], c[1]), (w, g))
+        return jax.lax.scan(lambda c, _: ((c[0] - 0.1 * c[1]["w"], c[1]), c[0]), (w, g), None, length=3)
+
+    run, w = (jax.vmap(f, in_axes=(0, None)), jnp.ones(2) * 2) if form == "vmap" else (jax.jit(f), jnp.float32(2.0))
+    path = tmp_path / "run.jsonl"
+    with warnings.catch_warnings(), tap.JSONLWriter(path) as writer:
+        warnings.simplefilter("error")  # tapped, not "ran untapped"
+        with tap.record(flush_every=2 if form == "buffered" else None, on_step=writer) as rec:
+            out = run(w, g)
+            sync()
+    assert_bits(out, run(w, g))
+    carries = [e.value for e in rec.events if e.kind == "carry"]
+    assert len(carries) == {"while": 2, "vmap": 6}.get(form, 3)
+    assert all(v[1].dtype == jax.dtypes.float0 and v[1].shape == () for v in carries)
+    back = [e.value for e in tap.read_jsonl(str(path)) if e.kind == "carry"]
+    assert [v[1].dtype for v in back] == [jax.dtypes.float0] * len(carries)
+    assert [float(v[0]) for v in back] == [float(v[0]) for v in carries]
 
 
 def _passes_params_through(kind):

@@ -8,6 +8,7 @@ the two forms must deliver the same event stream (paths, steps, kinds and
 values). Known gaps are strict ``xfail``s naming the README boundary.
 """
 import collections
+import textwrap
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -294,6 +295,36 @@ def test_lineax_solve_loop_is_tapped_and_a_cached_trace_still_differentiates():
     steps = [(e.path, e.step) for e in rec.events]
     assert steps[:2] == [("while[0]", 0), ("while[0]", 1)] and len(steps) >= 4
     assert "linear_solve" in tap.primitives(solve, A, b) and "while" in tap.primitives(solve, A, b)
+
+
+@pytest.mark.parametrize("form", ["block", "cli"])
+def test_a_library_imported_inside_the_block_has_its_loops_tapped(form, tmp_path):
+    # helper-45: lineax's CG loop (in an Equinox custom primitive, defined
+    # when lineax is imported) sent nothing when lineax was first imported
+    # inside the block, as `python -m jaxtap script.py` always does
+    from taputil import run_python
+
+    body = """
+        import jax, jax.numpy as jnp
+        import lineax as lx
+        A = jnp.eye(20) * 3.0 + 0.1
+        x = lx.linear_solve(lx.MatrixLinearOperator(A, lx.positive_semidefinite_tag), jnp.ones(20),
+                            lx.CG(rtol=1e-6, atol=1e-6)).value
+        print("solved", float(x[0]))
+    """
+    if form == "cli":
+        script = tmp_path / "solve.py"
+        script.write_text(textwrap.dedent(body))
+        out = run_python(f"import runpy, sys; sys.argv = ['jaxtap', '--jsonl', {str(tmp_path / 'r.jsonl')!r}, "
+                         f"{str(script)!r}]; runpy.run_module('jaxtap', run_name='__main__')")
+        events = tap.read_jsonl(str(tmp_path / "r.jsonl")) if out.returncode == 0 else []
+        paths = sorted({e.path for e in events})
+    else:
+        out = run_python("import jaxtap as tap\nwith tap.record() as rec:\n" + textwrap.indent(
+            textwrap.dedent(body), "    ") + "\nprint('paths', sorted({e.path for e in rec.events}))")
+        paths = eval(out.stdout.split("paths", 1)[1]) if "paths" in out.stdout else []
+    assert out.returncode == 0 and "solved" in out.stdout, out.stderr
+    assert paths == ["while[0]"], out.stdout + out.stderr
 
 
 def test_lineax_solve_under_vmap_reports_each_lane_in_both_forms():

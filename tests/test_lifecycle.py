@@ -1272,8 +1272,6 @@ def test_eager_primitives_in_a_block_reuse_their_clean_compilation():
 
 
 _PICK = 0
-_PICK = 0
-_PICK = 0
 
 
 def test_a_select_reading_a_changed_global_or_dict_entry_is_traced_again():
@@ -1319,6 +1317,24 @@ def test_a_select_reading_a_changed_global_or_dict_entry_is_traced_again():
                 f(x0)
             got.append(float(rec.events[-1].value))
     assert got == [8.0] * 3 + [3.0] * 3
+    # through a factory's closure (a decorator's wrapper: helper-44), and a
+    # `where` reading a set changed in place
+    def make(fn):
+        return lambda leaves: fn(leaves)
+
+    got, chosen = [], set()
+    g = jax.jit(lambda x: (jax.lax.scan(lambda c, _: (c + 1.0, None), x, None, length=3)[0],
+                           jax.lax.scan(lambda c, _: (c * 3.0, None), x, None, length=2)[0]))
+    for k in (1, 0):
+        _PICK = k
+        chosen.clear()
+        chosen.add(f"scan[{k}]")
+        with tap.record(select=make(_picked)) as rec:
+            f(x0)
+        with tap.record(where=lambda path: path in chosen) as where:
+            g(jnp.float32(1.0))
+        got.append((float(rec.events[-1].value), sorted({e.path for e in where.events})))
+    assert got == [(8.0, ["scan[1]"]), (3.0, ["scan[0]"])]
     # and an equal value rebound (a new float object each time) shares the program
     n = len(traces)
     for _ in range(3):
@@ -1562,3 +1578,55 @@ def test_the_unraisable_hook_chain_survives_a_save_and_restore_around_a_block():
     """, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "['KeyboardInterrupt'] 3 True"
+
+
+def test_importing_jaxtap_keeps_what_jax_compiled_before():
+    # helper-44: `import jaxtap` registered a jit-key config state (and, on
+    # JAX 0.12, imported jax.extend, whose Pallas registers two): every
+    # function compiled before the import compiled once more after it
+    out = run_python("""
+        import jax, jax.numpy as jnp
+        compiles = [0]
+        jax.monitoring.register_event_duration_secs_listener(
+            lambda name, *a, **k: compiles.__setitem__(0, compiles[0] + ("backend_compile" in name)))
+        f = jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.0)
+        x = jnp.linspace(0.0, 1.0, 4)
+        def both():
+            f(x).block_until_ready(); (x * 2.0).block_until_ready()
+        both()
+        before = compiles[0]
+        import jaxtap as tap
+        both()
+        print("after import", compiles[0] - before)
+        with tap.record() as rec:
+            jax.lax.scan(lambda c, _: (c * 1.5, None), 1.0, None, length=3)
+        print("events", len(rec.events))
+    """)
+    assert out.returncode == 0, out.stderr
+    assert "after import 0" in out.stdout and "events 3" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("held_by", ["hand", "generator"])
+def test_a_block_still_open_at_interpreter_exit_says_nothing(held_by):
+    # helper-44: jax-tap's weakref callback, unraisable hook and block exit
+    # ran with this package's globals already torn down, and printed
+    # tracebacks at exit
+    out = run_python(f"""
+        import jax, jax.numpy as jnp
+        import jaxtap as tap
+        f = jax.jit(lambda x: jax.lax.scan(lambda c, t: (c * 1.01 + t, None), x, jnp.linspace(0., 1., 5)))
+        if {held_by!r} == "hand":
+            ctx = tap.record()
+            rec = ctx.__enter__()
+        else:
+            def gen():
+                with tap.record() as r:
+                    yield r
+            g = gen()
+            rec = next(g)
+        f(jnp.ones(3))
+        jax.effects_barrier()
+        print("events", len(rec.events))
+    """)
+    assert out.returncode == 0 and "events 5" in out.stdout, out.stderr
+    assert out.stderr.strip() == "", out.stderr

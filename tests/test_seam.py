@@ -285,7 +285,8 @@ def test_an_untested_jax_warns_once_at_import_and_still_runs():
 
 def test_a_jax_without_our_internals_runs_the_program_untapped():
     """Never a crash: a JAX that moved an internal the with-form needs gets
-    one warning at import, and blocks run the user's code untapped."""
+    one warning naming it (at the first block, where jax-tap registers its
+    jit-key state), and blocks run the user's code untapped."""
     from taputil import run_python
 
     r = run_python("""
@@ -359,10 +360,10 @@ def test_both_forms_run_untapped_on_a_jax_without_the_jit_key_state(monkeypatch)
     wrapped calls run the user's code as it is, with one warning."""
     import warnings
 
-    from jaxtap import _lens
+    from jaxtap._seam import keys
 
-    monkeypatch.setattr(_lens._seam, "can_intercept", lambda: False)
-    monkeypatch.setattr(_lens, "warn_once_now", lambda msg: said.append(msg))
+    monkeypatch.setattr(keys, "can_intercept", lambda: False)
+    monkeypatch.setattr(keys, "warn_once_now", lambda msg: said.append(msg))
     said = []
     f = lambda x: jax.lax.scan(lambda c, _: (c * 1.5, None), x, None, length=3)[0]  # noqa: E731
     seen = []

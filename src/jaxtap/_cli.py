@@ -269,6 +269,7 @@ def main(argv=None) -> int:
     parser, ns = parse_args(argv)
     # validate everything before running anything (exit 2)
     _check_script(parser, ns.script)
+    _check_outputs(parser, ns)
     if not (ns.progress or ns.watch_nan or ns.print or ns.jsonl or ns.summary or ns.timeline):
         ns.summary = True
     tqdm_cls = None
@@ -313,6 +314,18 @@ def _check_script(parser, script) -> None:
             open(script, "rb").close()
         except OSError as exc:
             parser.error(f"can't open file {script!r}: {exc.strerror}")
+
+
+def _check_outputs(parser, ns) -> None:
+    """An output file that is the script (or the other output) would be
+    overwritten: refuse before anything is written."""
+    outputs = [(flag, path) for flag, path in (("--jsonl", ns.jsonl), ("--timeline", ns.timeline)) if path]
+    script = os.path.realpath(ns.script)
+    for i, (flag, path) in enumerate(outputs):
+        if os.path.realpath(path) == script:
+            parser.error(f"{flag} {path!r} is the script itself, which it would overwrite; name another file")
+        if any(os.path.realpath(path) == os.path.realpath(other) for _, other in outputs[:i]):
+            parser.error(f"--jsonl and --timeline name the same file {path!r}; name two files")
 
 
 def _make_block(parser, ns, progress):

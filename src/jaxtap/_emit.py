@@ -171,7 +171,9 @@ def _split_payload(value):
     leaves, treedef = jax.tree_util.tree_flatten(value)
     dynamic, static = [], {}
     for i, leaf in enumerate(leaves):
-        if isinstance(leaf, (jax.Array, _seam.Tracer)):
+        if isinstance(leaf, (jax.Array, _seam.Tracer, np.ndarray)) and leaf.dtype == jax.dtypes.float0:
+            static[i] = np.zeros(leaf.shape, jax.dtypes.float0)  # (no data: nothing to carry)
+        elif isinstance(leaf, (jax.Array, _seam.Tracer)):
             if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
                 leaf = jax.random.key_data(leaf)  # a PRNG key crosses (and is buffered) as its key data
             keep = MODE.per_shard or not isinstance(leaf, _seam.Tracer)  # per shard: the hop splits it

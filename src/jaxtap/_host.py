@@ -63,10 +63,12 @@ class _SigintWatch:
 _SIGINT = _SigintWatch()
 
 
-def _on_unraisable(unraisable) -> None:
-    if _SIGINT.depth and isinstance(getattr(unraisable, "exc_value", None), KeyboardInterrupt):
-        _SIGINT.pending = True
-    replaced = _SIGINT.replaced or sys.__unraisablehook__
+def _on_unraisable(unraisable, _watch=_SIGINT, _sys=sys) -> None:
+    # (defaults: at interpreter exit, with a block still open, this module's
+    # globals may already be None)
+    if _watch.depth and isinstance(getattr(unraisable, "exc_value", None), KeyboardInterrupt):
+        _watch.pending = True
+    replaced = _watch.replaced or _sys.__unraisablehook__
     replaced(unraisable)
 
 

@@ -37,6 +37,8 @@ _ERRORS = ("raise", "skip")
 def _encode(value) -> Any:
     if isinstance(value, np.ndarray) or isinstance(value, np.generic):
         arr = np.asarray(value)
+        if arr.dtype == jax.dtypes.float0:  # (a gradient of ints: no data)
+            return {"__nd__": None, "dtype": "float0", "shape": list(arr.shape), "scalar": isinstance(value, np.generic)}
         if arr.dtype.kind == "c":
             data = {"re": _encode_floats(arr.real), "im": _encode_floats(arr.imag)}
         elif arr.dtype.kind == "V" and arr.dtype.itemsize in (1, 2, 4, 8):
@@ -311,6 +313,7 @@ class JSONLWriter:
                                "tap.JSONLWriter('run.jsonl') (to watch events on the console: on_step=print)")
         self._lock = threading.Lock()
         self._failed = False
+        self._closed = False  # close() called: later events are dropped, said once
         self._fh = None
         self._placed = False  # one file per process: decided at the first write
         self._mode = "w" if overwrite else "a"
@@ -363,6 +366,7 @@ class JSONLWriter:
         """A buffered block of events (:class:`jaxtap.TapBlock`): every line
         in one write, flushed once (a crash keeps what was streamed)."""
         if self._fh is None:
+            self._dropped()
             return
         try:
             text = _block_text(block)
@@ -373,8 +377,15 @@ class JSONLWriter:
         else:
             self._write((), text)
 
+    def _dropped(self) -> None:
+        if self._closed and not self._failed:
+            self._failed = True
+            warn_once_now(f"jax-tap: JSONLWriter({self.path!r}) received events after close(); they are "
+                          "dropped. Close it after the block, or make a new JSONLWriter for each block.")
+
     def _write(self, events, text=None) -> None:
         if self._fh is None:
+            self._dropped()
             return
         try:
             if text is None:
@@ -391,6 +402,7 @@ class JSONLWriter:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             idle = not self._placed and self._fh is not None and _seam.process_tag() is not None
             if self._fh is not None:
                 try:

@@ -52,9 +52,12 @@ def _count(data, shape) -> None:
         _count(item, shape[1:])
 
 
+_FLOAT0 = np.dtype([("float0", np.void, 0)])  # jax.dtypes.float0 (a gradient of ints), written "float0"
+
+
 def _array(obj) -> Any:
     try:
-        dtype = np.dtype(obj["dtype"])
+        dtype = _FLOAT0 if obj["dtype"] == "float0" else np.dtype(obj["dtype"])
     except KeyError:
         raise _Bad("an array value has no dtype") from None
     except TypeError:
@@ -63,7 +66,9 @@ def _array(obj) -> Any:
     if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
         raise _Bad(f"an array shape must be a list of non-negative ints, got {shape!r}")
     data = obj["__nd__"]
-    if isinstance(data, dict) and "bits" in data:
+    if dtype == _FLOAT0:
+        arr = np.zeros(shape, dtype)
+    elif isinstance(data, dict) and "bits" in data:
         if dtype.itemsize not in (1, 2, 4, 8):
             raise _Bad(f"a bit-exact value needs a 1, 2, 4 or 8 byte dtype, not {dtype}")
         _count(data["bits"], shape)

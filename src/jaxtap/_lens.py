@@ -24,6 +24,7 @@ code or any ``jax.lax`` name:
 """
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 
@@ -36,20 +37,14 @@ from . import _loops  # noqa: F401 - registers the scan and while rules
 from ._routing import Router
 from ._rules import RULES
 from ._scope import SiteIndex, TraceOrder
+from ._timetaps import Signals
 from ._transform import Sinks, Walker, handler_for, tappable_names
 
 _LOOPS = _seam.LOOP_PRIMITIVES  # intercepted whenever a block is active
 _seam.check_at_import()  # one warning at import on a JAX outside the tested range
 
 
-def interception_unavailable(what) -> bool:
-    """True, after one warning, on a JAX without the jit-key state both forms
-    need: ``what`` then runs untapped."""
-    if _seam.can_intercept():
-        return False
-    warn_once_now(f"jax-tap: this JAX ({_seam.JAX_VERSION_TEXT}) lacks the jit-key state jax-tap needs; "
-                  f"{what} runs untapped. Install a tested JAX ({_seam.TESTED_RANGE}).")
-    return True
+interception_unavailable = _seam.interception_unavailable
 
 
 def rebuild_guard(plan):
@@ -256,8 +251,12 @@ def snapshot() -> dict:
                 "configurations": len(_REGISTRY.tokens), "intercepted": len(_PATCHED)}
 
 
-def _collected(ref):
-    """A context was garbage-collected while active: drop it."""
+def _collected(ref, _sys=sys):
+    """A context was garbage-collected while active: drop it (nothing to
+    drop at interpreter exit, where a block left open is collected with
+    this module's globals already gone)."""
+    if _sys.is_finalizing():
+        return
     for thread, stack in list(_REGISTRY.stacks.items()):
         if ref in stack:
             _REGISTRY.remove(ref, thread)
@@ -269,7 +268,8 @@ def _sync_patches():
     taps by name, exactly while they are needed."""
     wanted = set(_LOOPS) if _REGISTRY.n_active else set()
     if _REGISTRY.n_active:
-        wanted.update(_seam.impl_primitives())  # library primitives holding loops (lineax)
+        _IMPLS[0] = _seam.impl_primitives()
+        wanted.update(_IMPLS[0])  # library primitives holding loops (lineax)
         if _seam.shard_map_p is not None:
             wanted.add(_seam.shard_map_p)  # its mesh says which device runs each shard
         for ctx in _REGISTRY.active():
@@ -293,18 +293,31 @@ def _sync_patches():
             _PATCHED.add(prim)
     times = [t for t in (getattr(c, "_times", None) for c in _REGISTRY.active()) if t is not None]
     if any(t.jit_events for t in times):
-        _seam.monitor.watch_jit(_on_jit_call, _on_span, _on_cache_event, _on_executable)
+        _seam.monitor.watch_jit(_SIGNALS.jit_call, _SIGNALS.span, _SIGNALS.cache_event, _SIGNALS.executable)
     else:
         _seam.monitor.watch_jit(None, None, None)
-    _seam.monitor.watch_promotions(_on_promotion if any(t.trace_events for t in times) else None)
+    _seam.monitor.watch_promotions(_SIGNALS.promotion if any(t.trace_events for t in times) else None)
     _seam.monitor.watch_compiled_calls(_on_compiled_call if _REGISTRY.n_active else None, _AOT_SEEN.add)
+    _seam.monitor.watch_traces(_on_jit_trace if _REGISTRY.n_active else None)
     _seam.clean_eager_dispatch(bool(_REGISTRY.n_active))
+
+
+_IMPLS = [[]]  # the library primitives intercepted at the last sync
+
+
+def _on_jit_trace():
+    """A library imported inside a block (``python -m jaxtap`` runs the
+    script's imports in one) defines its loop-holding primitives then:
+    intercept them before the next jit call is traced."""
+    if len(_seam.impl_primitives()) != len(_IMPLS[0]):
+        with _REGISTRY.lock:
+            _sync_patches()
 
 
 def _on_compiled_call(executable):
     """An executable compiled ahead of time outside any block (those compiled in one are seen already)
     is a fixed program: it runs untapped in a block. Say so once per executable."""
-    ctx = _REGISTRY.top(threading.get_ident()) or _REGISTRY.sole()
+    ctx = _scope_here()
     if ctx is not None and ctx._plan.rewrites and executable not in _AOT_SEEN:
         _AOT_SEEN.add(executable)
         if _seam.monitor.untapped_loops(executable):
@@ -316,43 +329,12 @@ def _on_compiled_call(executable):
 _AOT_SEEN = weakref.WeakSet()
 
 
-# ------------------------------------------------- compile-time signals
-def _times_here(jit=False):
-    """The time taps of the scope this thread's work belongs to (or None)."""
-    ctx = _REGISTRY.top(threading.get_ident()) or _REGISTRY.sole()
-    times = None if ctx is None else getattr(ctx, "_times", None)
-    if times is None or not (times.jit_events if jit else times.trace_events):
-        return None
-    return times
+def _scope_here():
+    """The scope this thread's work belongs to (its own, else the sole block), or None."""
+    return _REGISTRY.top(threading.get_ident()) or _REGISTRY.sole()
 
 
-def _on_jit_call(fun, ji, args, kwargs, clean=True):
-    times = _times_here(jit=True)
-    return None if times is None else times.on_call(fun, ji, args, kwargs, clean)
-
-
-def _on_span(event, start, end, fun_name):
-    times = _times_here(jit=True)
-    if times is not None:
-        times.on_span(event, start, end, fun_name)
-
-
-def _on_executable(executable):
-    times = _times_here(jit=True)
-    if times is not None:
-        times.on_executable(executable)
-
-
-def _on_cache_event(event):
-    times = _times_here(jit=True)
-    if times is not None:
-        times.on_event(event)
-
-
-def _on_promotion():
-    times = _times_here()
-    if times is not None:
-        times.on_promotion()
+_SIGNALS = Signals(_scope_here)  # compile-time signals, to that scope's time taps
 
 
 _PATCHED: set = set()

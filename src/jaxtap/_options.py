@@ -162,26 +162,34 @@ def fingerprint(fn) -> Any:
             contents.append(None)
     defaults = tuple(map(_seen, getattr(fn, "__defaults__", None) or ()))
     kwdefaults = tuple(sorted((k, _seen(v)) for k, v in (getattr(fn, "__kwdefaults__", None) or {}).items()))
-    return ("fn", code, tuple(contents), defaults, kwdefaults, _globals_read(fn), _Same(getattr(fn, "__self__", None)))
+    return ("fn", code, tuple(contents), defaults, kwdefaults, _reads(fn, 0, set()), _Same(getattr(fn, "__self__", None)))
 
 
-def _globals_read(fn, depth=0, seen=None) -> tuple:
-    """(name, value) of the globals ``fn`` reads, and those read by the
-    plain functions of the user's that it reads as globals (not jax's or
-    numpy's: their globals do not change), three calls deep."""
-    env = getattr(fn, "__globals__", None) or {}
-    seen = set() if seen is None else seen
+def _reads(fn, depth, seen) -> tuple:
+    """(name, value) of the globals ``fn`` reads, and the same of the plain
+    functions of the user's it reaches through its globals or its closure
+    (a factory's ``lambda leaves: fn(leaves)``), not jax's or numpy's:
+    their globals do not change; three functions deep."""
     seen.add(id(fn))
+    env = getattr(fn, "__globals__", None) or {}
     out = []
     for name in _global_names(fn.__code__):
-        if name not in env:
+        if name in env:
+            out.append((name, _seen(env[name])))
+            out.extend(_follow(name, env[name], depth, seen))
+    for i, cell in enumerate(getattr(fn, "__closure__", None) or ()):
+        try:
+            out.extend(_follow(i, cell.cell_contents, depth, seen))
+        except ValueError:  # an empty cell
             continue
-        value = env[name]
-        out.append((name, _seen(value)))
-        if (depth < 2 and isinstance(value, types.FunctionType) and id(value) not in seen
-                and not (getattr(value, "__module__", None) or "").startswith(_LIBRARIES)):
-            out.append((name, _globals_read(value, depth + 1, seen)))
     return tuple(out)
+
+
+def _follow(key, value, depth, seen) -> list:
+    if (depth < 2 and isinstance(value, types.FunctionType) and id(value) not in seen
+            and not (getattr(value, "__module__", None) or "").startswith(_LIBRARIES)):
+        return [(key, _reads(value, depth + 1, seen))]
+    return []
 
 
 _LIBRARIES = ("jax", "numpy", "jaxtap", "jaxlib", "scipy")
@@ -199,18 +207,25 @@ def _global_names(code) -> tuple:
 
 
 def _seen(obj):
-    """An object as a fingerprint sees it: a scalar by value, a small dict
-    or list also by the identity of each item (a ``cfg["k"] = 1`` between
-    two blocks is seen; a change deeper is not), anything else by identity."""
+    """An object as a fingerprint sees it: a scalar by value, a small dict,
+    list or set also item by item (a ``cfg["k"] = 1`` between two blocks is
+    seen; a change deeper is not), anything else by identity."""
+    kind = type(obj)
+    if kind in (dict, list, set) and len(obj) <= 64:
+        items = obj.items() if kind is dict else obj
+        if kind is set:  # (in no fixed order)
+            return (_Same(obj), frozenset(map(_item, items)))
+        return (_Same(obj), tuple(((_item(k), _item(v)) for k, v in items) if kind is dict else map(_item, items)))
+    return _item(obj)
+
+
+def _item(obj):
+    """A scalar by value, anything else by identity."""
     kind = type(obj)
     if kind in (int, bool, str, bytes, type(None)):
         return ("=", kind, obj)
     if kind in (float, complex):
         return ("=", kind, repr(obj))  # (-0.0 and 0.0 differ)
-    if kind is dict and len(obj) <= 64:
-        return (_Same(obj), tuple((_Same(k), _Same(v)) for k, v in obj.items()))
-    if kind is list and len(obj) <= 64:
-        return (_Same(obj), tuple(map(_Same, obj)))
     return _Same(obj)
 
 

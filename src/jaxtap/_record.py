@@ -2,6 +2,7 @@
 interception and routing they share with ``tap.verbose`` are in ``_lens``)."""
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Callable, Optional, Sequence, Tuple, Union
 
@@ -9,7 +10,7 @@ from . import _seam
 from ._collectors import FlightRecorder
 from ._host import explain, unwatch_interrupts, warn_once_now, watch_interrupts
 from ._lens import _REGISTRY, SiteIndex, interception_unavailable
-from ._toolkit import warn_unmatched
+from ._toolkit import warn_unmatched, warn_where_unmatched
 from ._options import Config, PrimTap
 from ._verbose import Tapped, configure, make_tapped
 
@@ -65,9 +66,9 @@ class TapContext:
         watch_interrupts()
         return self.recorder
 
-    def __exit__(self, exc_type, exc, tb):
-        if not self._active:
-            return False
+    def __exit__(self, exc_type, exc, tb, _sys=sys):
+        if not self._active or _sys.is_finalizing():  # (at exit, a generator held open closes it:
+            return False                              # this module's globals may be gone already)
         try:
             _seam.effects_barrier()  # deliver every event of work dispatched inside
         except Exception:  # noqa: BLE001 - a failed program already raised its own error
@@ -84,6 +85,8 @@ class TapContext:
                           "or exits another block.")
         if self._plan.prim_taps and self._names_seen:
             warn_unmatched(self._plan.prim_taps, self._names_seen)
+        if self._plan.where is not None and not self._plan.prim_taps and self._times is None:  # (loops alone)
+            warn_where_unmatched(self._token.walker.where_asked, self.recorder)
         if interrupt is not None:  # a Ctrl-C stopped the run: say it as Python would
             raise interrupt from exc
         return False

@@ -384,3 +384,40 @@ def make_time_taps(config, deliver) -> Optional[TimeTaps]:
     if not config.time_taps:
         return None
     return TimeTaps(deliver, config.jit_events, config.trace_events, config.max_compiles)
+
+
+class Signals:
+    """Routes JAX's compile-time signals to the time taps of the scope this
+    thread's work belongs to (``scope_here()``: that scope, or None)."""
+
+    def __init__(self, scope_here):
+        self._here = scope_here
+
+    def _times(self, jit=True):
+        ctx = self._here()
+        times = None if ctx is None else getattr(ctx, "_times", None)
+        return times if times is not None and (times.jit_events if jit else times.trace_events) else None
+
+    def jit_call(self, fun, ji, args, kwargs, clean=True):
+        times = self._times()
+        return None if times is None else times.on_call(fun, ji, args, kwargs, clean)
+
+    def span(self, event, start, end, fun_name):
+        times = self._times()
+        if times is not None:
+            times.on_span(event, start, end, fun_name)
+
+    def executable(self, executable):
+        times = self._times()
+        if times is not None:
+            times.on_executable(executable)
+
+    def cache_event(self, event):
+        times = self._times()
+        if times is not None:
+            times.on_event(event)
+
+    def promotion(self):
+        times = self._times(jit=False)
+        if times is not None:
+            times.on_promotion()

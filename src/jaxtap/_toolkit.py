@@ -200,6 +200,16 @@ def warn_unmatched(taps, names_seen) -> None:
         warn_once_now(f"jax-tap: tap name {t.prim!r} matched nothing{hint}")
 
 
+def warn_where_unmatched(asked, recorder) -> None:
+    """Warn when ``where`` chose none of the loops it was asked about
+    (``asked``: path -> answer) and the block heard from no loop."""
+    if not asked or any(asked.values()) or any(e.kind != "primitive" for e in recorder.events):
+        return
+    paths = ", ".join(list(asked)[:8]) + (", ..." if len(asked) > 8 else "")
+    warn_once_now(f"jax-tap: `where` chose none of the loops it was asked about ({paths}); no loop sent an "
+                  "event. `where` receives these paths: e.g. where=lambda path: path.startswith('while[0]').")
+
+
 def prim_consumers(taps, recorder=None, on_step=None):
     return [PrimConsumer(t, recorder, on_step) for t in taps]
 

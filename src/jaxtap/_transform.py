@@ -60,6 +60,9 @@ class Walker:
         # taps, whole inner scans) for its driver to buffer; tripwires are not
         # buffered, they cross only when they trip
         self.buffers = plan.flush_every is not None
+        # what ``where`` answered, by path (kept while it has chosen none: a
+        # block whose ``where`` never matches says so at its exit)
+        self.where_asked = {}
 
     # -------------------------------------------------------------- decisions
     def top_scope(self, sites=None, before=None, own=None):
@@ -98,6 +101,8 @@ class Walker:
             except Exception as exc:  # noqa: BLE001 - a broken where is bad input
                 raise WhereError(f"jax-tap: your `where` raised on path {path!r}: {exc!r}. `where` takes a loop's "
                                  "path and returns True to tap it, e.g. where=lambda path: path == 'scan[0]'.") from None
+            if not provisional and (len(self.where_asked) < 64 or chosen) and not any(self.where_asked.values()):
+                self.where_asked[path] = chosen
             return chosen or provisional
         return True
 

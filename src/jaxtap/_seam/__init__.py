@@ -10,7 +10,8 @@ each assumption and fails loudly, naming it, on a JAX that breaks one.
   internals;
 * :mod:`.eqns` - primitives, their names, the parameters read and written;
 * :mod:`.staging` - trace, bind and evaluate equations as JAX does;
-* :mod:`.stack` - interception, call-stack and trace heuristics, jit-key state;
+* :mod:`.stack` - interception, call-stack and trace heuristics;
+* :mod:`.keys` - the jit-key config states that keep blocks' compilations apart;
 * :mod:`.backward` - cotangent taps: scan's autodiff rules wrapped while a
   scope asks, each backward scan mapped to its forward twin;
 * :mod:`.mesh` - many devices and processes: manual axes, shard indices,
@@ -25,6 +26,7 @@ each assumption and fails loudly, naming it, on a JAX that breaks one.
 from .backward import *  # noqa: F401,F403
 from .callback import *  # noqa: F401,F403
 from .forwarding import *  # noqa: F401,F403
+from .keys import *  # noqa: F401,F403
 from .eqns import *  # noqa: F401,F403
 from .mesh import *  # noqa: F401,F403
 from .stack import *  # noqa: F401,F403

@@ -37,7 +37,8 @@ import numpy as np
 from .. import _host
 from .._host import describe, pass_interrupt, raise_lost_interrupt, warn_once_now
 from .eqns import BYTES_NAME, HOP_NAME
-from .stack import BUSY, TOKEN_STATE
+from .keys import restore_thread_token, token_state
+from .stack import BUSY
 from .versions import internal
 
 __all__ = ["host_callback", "FAST_HOST_CALLBACK", "to_bytes"]
@@ -117,7 +118,7 @@ def _call(fn, args, cpu_default):
             busy["hop_key"] = outer
             # (unless the consumer set the thread's token itself: tap.emergency_restore())
             if swapped is not _UNSET and busy.get("token_sets", 0) == sets:
-                TOKEN_STATE.set_local(swapped)
+                restore_thread_token(swapped)
             busy["depth"] -= 1
     except BaseException as exc:  # noqa: BLE001 - totality
         pass_interrupt(exc)  # a Ctrl-C stops the run
@@ -145,8 +146,10 @@ def consumer_key() -> None:
     clean one until the hop ends (swapped once per hop, and only for hops
     that reach user code: it costs about half a microsecond)."""
     busy = BUSY.__dict__
-    if busy.get("hop_key") is _UNSET and TOKEN_STATE is not None:
-        busy["hop_key"] = TOKEN_STATE.swap_local(None)
+    if busy.get("hop_key") is _UNSET:
+        state = token_state(create=False)
+        if state is not None:
+            busy["hop_key"] = state.swap_local(None)
 
 
 _host.consumer_key = consumer_key  # (Guard calls it; _host cannot import the seam)

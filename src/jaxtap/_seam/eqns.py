@@ -10,7 +10,6 @@ from __future__ import annotations
 import sys
 
 import jax
-import jax.extend as jex
 
 from .versions import internal
 
@@ -72,17 +71,30 @@ __all__ = [
 
 _hijax = internal("jax._src.hijax")
 _pe = internal("jax._src.interpreters.partial_eval")
+_core = internal("jax._src.core")
 
 # ----------------------------------------------------------------- primitives
-_P = jex.core.primitives
-scan_p = _P.scan_p
-while_p = _P.while_p
-cond_p = _P.cond_p
-jit_p = _P.jit_p
-remat_p = _P.remat_p
-custom_jvp_call_p = _P.custom_jvp_call_p
-custom_vjp_call_p = _P.custom_vjp_call_p
-closed_call_p = _P.closed_call_p  # JAX >= 0.11: the same primitive as eval_jaxpr
+# From the modules jax.extend.core.primitives re-exports them from, not from
+# jax.extend itself: importing jax.extend (JAX 0.12) imports Pallas, which
+# registers config states, and a new config state changes every jit key: each
+# function compiled before `import jaxtap` would compile once more.
+_PRIMITIVE_MODULES = (
+    "jax._src.ad_checkpoint", "jax._src.ad_util", "jax._src.core", "jax._src.custom_derivatives",
+    "jax._src.dispatch", "jax._src.interpreters.ad", "jax._src.lax.lax", "jax._src.lax.special",
+    "jax._src.lax.slicing", "jax._src.lax.convolution", "jax._src.lax.windowed_reductions",
+    "jax._src.lax.control_flow", "jax._src.lax.fft", "jax._src.lax.parallel", "jax._src.lax.ann",
+    "jax._src.lax.linalg", "jax._src.pjit", "jax._src.random.prng", "jax._src.random.threefry2x32",
+    "jax._src.random.core", "jax._src.state.primitives",
+)
+_control_flow = internal("jax._src.lax.control_flow")
+scan_p = _control_flow.scan_p
+while_p = _control_flow.while_p
+cond_p = _control_flow.cond_p
+jit_p = internal("jax._src.pjit", "jit_p")
+remat_p = internal("jax._src.ad_checkpoint", "remat_p")
+custom_jvp_call_p = internal("jax._src.custom_derivatives", "custom_jvp_call_p")
+custom_vjp_call_p = internal("jax._src.custom_derivatives", "custom_vjp_call_p")
+closed_call_p = _core.closed_call_p  # JAX >= 0.11: the same primitive as eval_jaxpr
 # A "hijax" primitive: a library operation (JAX >= 0.12: jnp.searchsorted,
 # einsum, lax.custom_root, ...) that expands into ordinary equations, loops
 # included, only when lowered. ``hi_expansion`` (staging) expands it.
@@ -107,11 +119,11 @@ LOOP_PRIMITIVES = (scan_p, while_p)
 
 # JAX >= 0.11 has one jaxpr type (a Jaxpr may carry its consts, and
 # ``.jaxpr`` is itself); ClosedJaxpr is an alias of it there.
-ClosedJaxpr = jex.core.ClosedJaxpr
-Jaxpr = jex.core.Jaxpr
-Literal = jex.core.Literal
-Var = jex.core.Var
-DropVar = jex.core.DropVar
+ClosedJaxpr = getattr(_core, "ClosedJaxpr", _core.Jaxpr)
+Jaxpr = _core.Jaxpr
+Literal = _core.Literal
+Var = _core.Var
+DropVar = _core.DropVar
 Tracer = jax.core.Tracer
 
 
@@ -325,10 +337,12 @@ def staged_by_us(eqn):
 
 def _primitive_table():
     table = {}
-    for attr in dir(_P):
-        prim = getattr(_P, attr)
-        if isinstance(prim, jex.core.Primitive):
-            table.setdefault(prim.name, prim)
+    for module in _PRIMITIVE_MODULES:
+        mod = sys.modules.get(module) or internal(module)
+        for attr in dir(mod) if mod is not None else ():
+            prim = getattr(mod, attr)
+            if attr.endswith("_p") and isinstance(prim, _core.Primitive):
+                table.setdefault(prim.name, prim)
     return table
 _PRIMS_BY_NAME = None
 

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from .stack import jit_key_state
+from .keys import LazyKeyState
 from .versions import internal
 
 __all__ = ["shard_map_p", "manual_axes", "shard_index", "varying_like", "replicated", "local_hop",
@@ -44,8 +44,8 @@ _BOUND = _Bound()
 # The devices of the shard_map being bound, in the jit key: a jitted function
 # traced inside it (its hops resolve shard -> device when traced) is traced
 # again for another mesh of the same shape.
-_DEVICES_STATE = jit_key_state("jaxtap_mesh_devices", "jax-tap: the devices of the shard_map being traced "
-                               "(internal).")
+_DEVICES_STATE = LazyKeyState("jaxtap_mesh_devices", "jax-tap: the devices of the shard_map being traced "
+                                                     "(internal).").get
 
 
 class binding_shard_map:
@@ -59,17 +59,19 @@ class binding_shard_map:
 
     def __enter__(self):
         _BOUND.meshes.append(self.mesh)
-        if _DEVICES_STATE is not None:
+        state = _DEVICES_STATE()
+        if state is not None:
             try:
                 ids = tuple(int(d.id) for d in self.mesh.devices.flat)
             except Exception:  # noqa: BLE001 - an abstract mesh: the enclosing one's devices hold
-                ids = _DEVICES_STATE.value
-            self.prev = _DEVICES_STATE.swap_local(ids)
+                ids = state.value
+            self.prev = state.swap_local(ids)
 
     def __exit__(self, *exc):
         _BOUND.meshes.pop()
-        if _DEVICES_STATE is not None:
-            _DEVICES_STATE.set_local(self.prev)
+        state = _DEVICES_STATE()
+        if state is not None:
+            state.set_local(self.prev)
         return False
 
 

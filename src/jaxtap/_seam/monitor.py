@@ -22,6 +22,7 @@ __all__ = [
     "CACHE_HIT",
     "CACHE_MISS",
     "watch_jit",
+    "watch_traces",
     "cost_analysis",
     "watch_promotions",
     "watch_compiled_calls",
@@ -58,6 +59,7 @@ _CALLBACKS = frozenset({"debug_callback", "io_callback", "pure_callback", "callb
 class _Hooks:
     lock = threading.Lock()
     jit = None  # (on_call, on_span, on_event, on_executable) while watched
+    trace = None  # on_trace() while watched
     promote = None  # on_promote(n_promoted) while watched
     compiled = None  # (on_call(executable), on_compiled(executable)) while watched
     orig_compiled_call = None
@@ -68,6 +70,12 @@ class _Hooks:
 
 
 def _infer_params(fun, ji, args, kwargs):
+    traced = _Hooks.trace
+    if traced is not None:
+        try:
+            traced()
+        except Exception:  # noqa: BLE001 - never breaks a jit call
+            pass
     hooks = _Hooks.jit
     after = None
     if hooks is not None:
@@ -134,8 +142,7 @@ def watch_jit(on_call, on_span, on_event, on_executable=None) -> bool:
         if on_call is None:
             if _Hooks.jit is not None:
                 _Hooks.jit = None
-                if getattr(_pjit._infer_params, "__jaxtap_patch__", False):
-                    _pjit._infer_params = _Hooks.orig_infer
+                _patch_infer()
                 if _compiler is not None and getattr(_compiler.compile_or_get_cached, "__jaxtap_patch__", False):
                     _compiler.compile_or_get_cached = _Hooks.orig_compile
                 for registry, fn in ((_monitoring._event_time_span_listeners, _span),
@@ -144,8 +151,8 @@ def watch_jit(on_call, on_span, on_event, on_executable=None) -> bool:
                         registry.remove(fn)  # ours alone: clear_event_listeners() would take others'
             return True
         if _Hooks.jit is None:
-            _Hooks.orig_infer = _pjit._infer_params
-            _pjit._infer_params = _infer_params
+            _Hooks.jit = (on_call, on_span, on_event, on_executable or (lambda exe: None))
+            _patch_infer()
             if _compiler is not None and hasattr(_compiler, "compile_or_get_cached"):
                 _Hooks.orig_compile = _compiler.compile_or_get_cached
                 _compiler.compile_or_get_cached = _compile_or_get_cached
@@ -156,6 +163,27 @@ def watch_jit(on_call, on_span, on_event, on_executable=None) -> bool:
 
 
 _infer_params.__jaxtap_patch__ = True
+
+
+def watch_traces(on_trace) -> bool:
+    """Call ``on_trace()`` before JAX infers a jit call's parameters (a
+    call its compiled-code fast path did not answer: a trace, or a cache
+    lookup in Python); None: stop. False when this JAX lacks the hook."""
+    if _pjit is None or not hasattr(_pjit, "_infer_params"):
+        return False
+    with _Hooks.lock:
+        _Hooks.trace = on_trace
+        _patch_infer()
+    return True
+
+
+def _patch_infer() -> None:
+    """Ours in place of ``_infer_params`` exactly while a hook wants it (under the lock)."""
+    ours = getattr(_pjit._infer_params, "__jaxtap_patch__", False)
+    if (_Hooks.jit is not None or _Hooks.trace is not None) and not ours:
+        _Hooks.orig_infer, _pjit._infer_params = _pjit._infer_params, _infer_params
+    elif _Hooks.jit is None and _Hooks.trace is None and ours:
+        _pjit._infer_params = _Hooks.orig_infer
 
 
 def _promote(in_val, in_aval, out_aval):

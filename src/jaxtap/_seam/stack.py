@@ -12,7 +12,7 @@ import threading
 
 import jax
 
-from .versions import MISSING, internal
+from .versions import internal
 
 __all__ = [
     "site_of_traceback",
@@ -36,13 +36,6 @@ __all__ = [
     "install_bind",
     "uninstall_bind",
     "bind_is_patched",
-    "TOKEN_STATE",
-    "jit_key_state",
-    "can_intercept",
-    "set_thread_token",
-    "set_global_token",
-    "thread_token",
-    "token_state_in_trace_context",
     "BUSY",
     "quiet",
 ]
@@ -50,7 +43,6 @@ __all__ = [
 _core = internal("jax._src.core")
 _pe = internal("jax._src.interpreters.partial_eval")
 _ad = internal("jax._src.interpreters.ad")
-_config = internal("jax._src.config")
 _source_info = internal("jax._src.source_info_util")
 _traceback_util = internal("jax._src.traceback_util")
 
@@ -503,55 +495,6 @@ def uninstall_bind(prim):
 
 def bind_is_patched(prim) -> bool:
     return "bind" in prim.__dict__
-
-
-# ------------------------------------------------------------ jit-key state
-def jit_key_state(name: str, doc: str):
-    """A thread-local config state that JAX includes in every jit cache key
-    (and trace context); None, recorded in MISSING, on a JAX without them."""
-    try:
-        return _config.string_or_object_state(name, None, doc, include_in_jit_key=True,
-                                              include_in_trace_context=True)
-    except Exception:  # noqa: BLE001 - a JAX without it
-        MISSING.append("jax._src.config.string_or_object_state")
-        return None
-
-
-# While a with-block is active its token separates tapped from clean
-# compilations (None: the with-form stands aside).
-TOKEN_STATE = jit_key_state("jaxtap_tap_token",
-                            "jax-tap: the active tap configuration (internal; part of the jit key).")
-
-
-def can_intercept() -> bool:
-    """False on a JAX without the jit-key state interception needs: blocks
-    and wrapped calls then run their code untapped (see ``_lens``)."""
-    return TOKEN_STATE is not None
-
-
-def set_thread_token(token) -> None:
-    """This thread's token; None removes the thread's own value, so the
-    thread sees the global one again."""
-    TOKEN_STATE.set_local(_config.config_ext.unset if token is None else token)
-    BUSY.token_sets += 1
-
-
-def set_global_token(token) -> None:
-    """The token threads without a block of their own see (None: clean)."""
-    TOKEN_STATE.set_global(token)
-
-
-def thread_token():
-    return TOKEN_STATE.value
-
-
-def token_state_in_trace_context(token) -> bool:
-    """True when ``token`` shows up in JAX's trace context (the jit key)."""
-    prev = TOKEN_STATE.swap_local(token)
-    try:
-        return any(x is token for x in _config.trace_context())
-    finally:
-        TOKEN_STATE.set_local(prev)
 
 
 class _Busy(threading.local):

@@ -12,7 +12,8 @@ import numpy as np
 
 from .eqns import (CLOSED_CALL, CUSTOM_JVP, CUSTOM_VJP, DEBUG_EFFECTS, JIT, REMAT, ClosedJaxpr, Literal, Tracer,
                    closed_call_p, hi_call_p, impl_of, loop_body, loop_scope, subjaxprs_of)
-from .stack import TOKEN_STATE, bind_is_patched, quiet
+from .keys import restore_thread_token, swap_thread_token, token_state
+from .stack import bind_is_patched, quiet
 from .versions import internal
 
 __all__ = [
@@ -348,7 +349,7 @@ def _primitive_callable(prim, **params):
     out of one, so a block reuses the clean compilation instead of compiling
     every eager op once more per configuration."""
     orig = _Eager.orig or _dispatch.xla_primitive_callable
-    if TOKEN_STATE is None or bind_is_patched(prim) or subjaxprs_of(params):
+    if token_state(create=False) is None or bind_is_patched(prim) or subjaxprs_of(params):
         return orig(prim, **params)
     return functools.partial(_clean, _clean(orig, prim, **params))
 
@@ -356,11 +357,11 @@ def _primitive_callable(prim, **params):
 def _clean(fn, /, *args, **kwargs):
     """``fn(*args, **kwargs)`` under the clean jit key (this thread's token
     swapped out, then back)."""
-    prev = TOKEN_STATE.swap_local(None)
+    prev = swap_thread_token(None)
     try:
         return fn(*args, **kwargs)
     finally:
-        TOKEN_STATE.set_local(prev)
+        restore_thread_token(prev)
 
 
 _primitive_callable.__jaxtap_patch__ = True

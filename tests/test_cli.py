@@ -213,3 +213,15 @@ def test_ctrl_c_stops_the_run_with_exit_130(tmp_path):
     assert "the loop ran to its end" not in stdout
     assert "raised KeyboardInterrupt, exit code 130" in stderr
     assert 0 < len(out.read_text().splitlines()) < 100_000_000
+
+
+def test_an_output_that_is_the_script_by_a_hard_link_is_refused(script):
+    # helper-46: the first check compared real paths, which a hard link passes
+    import os
+
+    link = script.parent / "linked.jsonl"
+    os.link(script, link)
+    before = script.read_text()
+    r = run_cli(script.parent, "--jsonl", "linked.jsonl", "train.py")
+    assert r.returncode == 2 and "is the script itself" in r.stderr
+    assert script.read_text() == before

@@ -14,6 +14,7 @@ file must pass); each has a standalone repro under /tmp/lifecycle_reports/.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import gc
 import threading
@@ -24,6 +25,7 @@ import weakref
 
 import jax
 import jax.extend as jex
+from jax._src import pjit as _pjit
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -59,6 +61,7 @@ def assert_clean():
     assert "bind" not in WHILE_P.__dict__
     assert _instance_binds() == BASELINE_BINDS  # no primitive left intercepted
     assert _seam.thread_token() is None
+    assert not getattr(_pjit._infer_params, "__jaxtap_patch__", False)  # jit calls JAX's own again
     assert tap.original_scan is jax.lax.scan
     assert tap.original_while_loop is jax.lax.while_loop
 
@@ -1348,6 +1351,44 @@ def test_a_select_reading_a_changed_global_or_dict_entry_is_traced_again():
 _SCALE = 0.5
 
 
+def test_a_select_through_partials_dicts_of_functions_and_factories_is_seen_by_value():
+    """helper-46: a partial held in a closure, a dict of metric functions,
+    a defaultdict entry: each reads a changed global or entry, so the
+    second block needs its own select; a factory re-made per block around
+    an equal lambda shares the first block's program."""
+    global _SCALE
+    traces = []
+
+    @jax.jit
+    def f(x0):
+        traces.append(1)
+        return jax.lax.scan(lambda c, _: (c * 1.0, None), x0, None, length=2)[0]
+
+    def pick(leaves, off):
+        return leaves[0] * _SCALE + off
+
+    part = functools.partial(pick, off=0.0)
+    metrics = {"scaled": lambda leaves: leaves[0] * _SCALE}
+    cfg = collections.defaultdict(float)
+    makers = [lambda: (lambda leaves: leaves[0] * cfg["scale"]),
+              lambda: (lambda fn: (lambda leaves: fn(leaves)))(part),
+              lambda: (lambda leaves: {k: m(leaves) for k, m in metrics.items()}["scaled"])]
+    got = []
+    for make in makers:
+        for scale in (10.0, 20.0):
+            _SCALE = cfg["scale"] = scale
+            with tap.record(select=make()) as rec:
+                f(jnp.float32(1.0))
+            got.append(float(rec.events[0].value))
+    assert got == [10.0, 20.0] * 3
+    _SCALE = 0.5
+    n = len(traces)
+    for _ in range(3):
+        with tap.record(select=(lambda fn: (lambda leaves: fn(leaves)))(lambda leaves: leaves[0])):
+            f(jnp.float32(1.0))
+    assert len(traces) == n + 1
+
+
 def _picked(leaves):
     return leaves[_PICK]
 
@@ -1630,3 +1671,31 @@ def test_a_block_still_open_at_interpreter_exit_says_nothing(held_by):
     """)
     assert out.returncode == 0 and "events 5" in out.stdout, out.stderr
     assert out.stderr.strip() == "", out.stderr
+
+
+def test_emergency_restore_in_a_block_gives_jit_its_own_hooks_back():
+    # helper-46: the hook that notices libraries imported inside a block
+    # (pjit._infer_params) survived emergency_restore
+    ctx = tap.record()
+    ctx.__enter__()
+    assert getattr(_pjit._infer_params, "__jaxtap_patch__", False)
+    tap.emergency_restore()
+    assert_clean()
+
+
+def test_the_first_block_compiles_its_programs_once():
+    # helper-46: a jit-key state registered while a jit traced (the shard_map
+    # devices state, or the token under jax.jit(tap.verbose(f))) changed that
+    # jit's own key between its first call and its second
+    out = run_python("""
+        import jax, jax.numpy as jnp
+        compiles = [0]
+        jax.monitoring.register_event_duration_secs_listener(
+            lambda name, *a, **k: compiles.__setitem__(0, compiles[0] + ("backend_compile" in name)))
+        import jaxtap as tap
+        f = jax.jit(tap.verbose(lambda x: jax.lax.scan(lambda c, _: (c * 1.5, None), x, None, length=3)[0]))
+        f(1.0); n = compiles[0]; f(1.0)
+        print("verbose again", compiles[0] - n)
+    """)
+    assert out.returncode == 0 and "verbose again 0" in out.stdout, out.stdout + out.stderr
+

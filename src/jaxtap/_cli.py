@@ -320,12 +320,19 @@ def _check_outputs(parser, ns) -> None:
     """An output file that is the script (or the other output) would be
     overwritten: refuse before anything is written."""
     outputs = [(flag, path) for flag, path in (("--jsonl", ns.jsonl), ("--timeline", ns.timeline)) if path]
-    script = os.path.realpath(ns.script)
     for i, (flag, path) in enumerate(outputs):
-        if os.path.realpath(path) == script:
+        if _same_file(path, ns.script):
             parser.error(f"{flag} {path!r} is the script itself, which it would overwrite; name another file")
-        if any(os.path.realpath(path) == os.path.realpath(other) for _, other in outputs[:i]):
+        if any(_same_file(path, other) for _, other in outputs[:i]):
             parser.error(f"--jsonl and --timeline name the same file {path!r}; name two files")
+
+
+def _same_file(a, b) -> bool:
+    """One file by two names (links included, when both exist)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one does not exist yet
+        return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _make_block(parser, ns, progress):

@@ -348,6 +348,7 @@ def _uninstall_all():
     _seam.monitor.watch_jit(None, None, None)
     _seam.monitor.watch_promotions(None)
     _seam.monitor.watch_compiled_calls(None)
+    _seam.monitor.watch_traces(None)
     _seam.clean_eager_dispatch(False)
 
 

@@ -138,61 +138,83 @@ class _Same:
 
 def fingerprint(fn) -> Any:
     """A hashable identity for a function: equal for re-created lambdas
-    (same code, same objects closed over, in its defaults and read as
-    globals, by it or by the functions of the user's it calls; scalars by
-    value, small dicts and lists item by item), different otherwise.
+    (same code; equal values closed over, in its defaults and read as
+    globals), different otherwise. A value is seen as :func:`_value` says:
+    scalars by value, the user's functions by their own fingerprint, small
+    containers item by item, anything else by identity.
 
     Two blocks whose functions agree share one compiled program; a global
     or a dict entry changed between them (``for k in ...: with
     tap.record(select=lambda leaves: leaves[k])``) makes another.
     """
-    if fn is None:
-        return None
+    return None if fn is None else _function(fn, _Walk())
+
+
+class _Walk:
+    """One fingerprint's traversal: the functions entered, and how deep."""
+
+    __slots__ = ("seen", "depth")
+
+    def __init__(self):
+        self.seen, self.depth = set(), 0
+
+
+def _function(fn, walk) -> tuple:
     if isinstance(fn, functools.partial):
-        return ("partial", fingerprint(fn.func), tuple(map(_seen, fn.args)),
-                tuple(sorted((k, _seen(v)) for k, v in (fn.keywords or {}).items())))
+        return ("partial", _value(fn.func, walk), tuple(_value(a, walk) for a in fn.args),
+                tuple(sorted((k, _value(v, walk)) for k, v in (fn.keywords or {}).items())))
     code = getattr(fn, "__code__", None)
     if code is None:
         return ("obj", _Same(fn))
-    contents = []
+    walk.seen.add(id(fn))
+    cells = []
     for c in getattr(fn, "__closure__", None) or ():
         try:
-            contents.append(_seen(c.cell_contents))
-        except ValueError:
-            contents.append(None)
-    defaults = tuple(map(_seen, getattr(fn, "__defaults__", None) or ()))
-    kwdefaults = tuple(sorted((k, _seen(v)) for k, v in (getattr(fn, "__kwdefaults__", None) or {}).items()))
-    return ("fn", code, tuple(contents), defaults, kwdefaults, _reads(fn, 0, set()), _Same(getattr(fn, "__self__", None)))
-
-
-def _reads(fn, depth, seen) -> tuple:
-    """(name, value) of the globals ``fn`` reads, and the same of the plain
-    functions of the user's it reaches through its globals or its closure
-    (a factory's ``lambda leaves: fn(leaves)``), not jax's or numpy's:
-    their globals do not change; three functions deep."""
-    seen.add(id(fn))
-    env = getattr(fn, "__globals__", None) or {}
-    out = []
-    for name in _global_names(fn.__code__):
-        if name in env:
-            out.append((name, _seen(env[name])))
-            out.extend(_follow(name, env[name], depth, seen))
-    for i, cell in enumerate(getattr(fn, "__closure__", None) or ()):
-        try:
-            out.extend(_follow(i, cell.cell_contents, depth, seen))
+            cells.append(_value(c.cell_contents, walk))
         except ValueError:  # an empty cell
-            continue
-    return tuple(out)
+            cells.append(None)
+    defaults = tuple(_value(v, walk) for v in getattr(fn, "__defaults__", None) or ())
+    kwdefaults = tuple(sorted((k, _value(v, walk)) for k, v in (getattr(fn, "__kwdefaults__", None) or {}).items()))
+    env = getattr(fn, "__globals__", None) or {}
+    reads = tuple((name, _value(env[name], walk)) for name in _global_names(code) if name in env)
+    return ("fn", code, tuple(cells), defaults, kwdefaults, reads, _Same(getattr(fn, "__self__", None)))
 
 
-def _follow(key, value, depth, seen) -> list:
-    if (depth < 2 and isinstance(value, types.FunctionType) and id(value) not in seen
-            and not (getattr(value, "__module__", None) or "").startswith(_LIBRARIES)):
-        return [(key, _reads(value, depth + 1, seen))]
-    return []
+_LIBRARIES = ("jax", "numpy", "jaxtap", "jaxlib", "scipy")  # their functions' globals do not change
+_MAX_DEPTH = 3  # functions and containers followed this deep
+_SCALARS = (int, bool, str, bytes, type(None), float, complex)
 
 
-_LIBRARIES = ("jax", "numpy", "jaxtap", "jaxlib", "scipy")
+def _value(obj, walk):
+    """An object as a fingerprint sees it: a scalar by value; a function of
+    the user's (or a partial) by its fingerprint (a factory's ``lambda
+    leaves: fn(leaves)``, re-made per block, is the same when ``fn`` is);
+    a small dict, list, set or tuple item by item (a ``cfg["k"] = 1``
+    between two blocks is seen); anything else, and anything deeper than
+    three levels, by identity."""
+    kind = type(obj)
+    if kind in _SCALARS:
+        return ("=", kind, repr(obj) if kind in (float, complex) else obj)  # (-0.0 and 0.0 differ)
+    if walk.depth >= _MAX_DEPTH or id(obj) in walk.seen:
+        return _Same(obj)
+    user_fn = isinstance(obj, functools.partial) or (
+        isinstance(obj, types.FunctionType) and not (getattr(obj, "__module__", None) or "").startswith(_LIBRARIES))
+    container = isinstance(obj, (dict, list, set, frozenset, tuple)) and len(obj) <= 64
+    if not (user_fn or container):
+        return _Same(obj)
+    walk.depth += 1
+    try:
+        if user_fn:
+            return ("call", _function(obj, walk))
+        if isinstance(obj, dict):
+            items = tuple((_value(k, walk), _value(v, walk)) for k, v in obj.items())
+        elif isinstance(obj, (set, frozenset)):
+            items = frozenset(_value(x, walk) for x in obj)  # (in no fixed order)
+        else:
+            items = tuple(_value(x, walk) for x in obj)
+        return (_Same(obj), kind, items)
+    finally:
+        walk.depth -= 1
 
 
 @functools.lru_cache(maxsize=1024)
@@ -204,29 +226,6 @@ def _global_names(code) -> tuple:
         names.update(i.argval for i in dis.get_instructions(c) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME"))
         todo.extend(k for k in c.co_consts if inspect.iscode(k))
     return tuple(sorted(names))
-
-
-def _seen(obj):
-    """An object as a fingerprint sees it: a scalar by value, a small dict,
-    list or set also item by item (a ``cfg["k"] = 1`` between two blocks is
-    seen; a change deeper is not), anything else by identity."""
-    kind = type(obj)
-    if kind in (dict, list, set) and len(obj) <= 64:
-        items = obj.items() if kind is dict else obj
-        if kind is set:  # (in no fixed order)
-            return (_Same(obj), frozenset(map(_item, items)))
-        return (_Same(obj), tuple(((_item(k), _item(v)) for k, v in items) if kind is dict else map(_item, items)))
-    return _item(obj)
-
-
-def _item(obj):
-    """A scalar by value, anything else by identity."""
-    kind = type(obj)
-    if kind in (int, bool, str, bytes, type(None)):
-        return ("=", kind, obj)
-    if kind in (float, complex):
-        return ("=", kind, repr(obj))  # (-0.0 and 0.0 differ)
-    return _Same(obj)
 
 
 @dataclass(frozen=True, eq=False)

@@ -103,6 +103,7 @@ def _warn_disabled():
 
 def configure(config: Config, recorder=None, with_form=False):
     """(plan, consumers, primitive consumers, time taps) of a configuration."""
+    _seam.register_key_states()  # (made outside any trace, as a block or wrapper is)
     c = config
     if c.timeline or c.time_taps:
         # before the consumers take its appender; a user's own recorder given

@@ -5,7 +5,7 @@ jax-tap registers two of its own: a block's *token* (one per distinct
 device-side configuration, per thread), so that functions jitted before a
 block are traced again inside it and hit their clean compilation after it;
 and the devices of the ``shard_map`` being traced (``.mesh``). Both are
-registered at their first use, inside a block, never at import.
+registered when the first block or wrapper is made, never at import.
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ __all__ = [
     "jit_key_state",
     "LazyKeyState",
     "token_state",
+    "devices_state",
+    "register_key_states",
     "can_intercept",
     "interception_unavailable",
     "set_thread_token",
@@ -69,6 +71,19 @@ class LazyKeyState:
 
 # While a with-block is active its token separates tapped from clean compilations.
 token_state = LazyKeyState("jaxtap_tap_token", "jax-tap: the active tap configuration (internal; part of the jit key).").get
+# The devices of the shard_map being bound: a jitted function traced inside
+# it (its hops resolve shard -> device when traced) is traced again for
+# another mesh of the same shape (see ``.mesh``).
+devices_state = LazyKeyState("jaxtap_mesh_devices", "jax-tap: the devices of the shard_map being traced "
+                                                    "(internal).").get
+
+
+def register_key_states() -> None:
+    """Register both states now: when a block or wrapper is made, before any
+    trace (one registered while a jit traces would change that jit's own
+    key between its first call and its second, and compile it again)."""
+    token_state()
+    devices_state()
 
 
 def can_intercept() -> bool:

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from .keys import LazyKeyState
+from .keys import devices_state
 from .versions import internal
 
 __all__ = ["shard_map_p", "manual_axes", "shard_index", "varying_like", "replicated", "local_hop",
@@ -41,13 +41,6 @@ class _Bound(threading.local):
 _BOUND = _Bound()
 
 
-# The devices of the shard_map being bound, in the jit key: a jitted function
-# traced inside it (its hops resolve shard -> device when traced) is traced
-# again for another mesh of the same shape.
-_DEVICES_STATE = LazyKeyState("jaxtap_mesh_devices", "jax-tap: the devices of the shard_map being traced "
-                                                     "(internal).").get
-
-
 class binding_shard_map:
     """While a ``shard_map`` is bound (its body traced) on this thread: its
     mesh, for the hops traced inside (see :func:`shard_devices`)."""
@@ -59,7 +52,7 @@ class binding_shard_map:
 
     def __enter__(self):
         _BOUND.meshes.append(self.mesh)
-        state = _DEVICES_STATE()
+        state = devices_state()
         if state is not None:
             try:
                 ids = tuple(int(d.id) for d in self.mesh.devices.flat)
@@ -69,7 +62,7 @@ class binding_shard_map:
 
     def __exit__(self, *exc):
         _BOUND.meshes.pop()
-        state = _DEVICES_STATE()
+        state = devices_state()
         if state is not None:
             state.set_local(self.prev)
         return False

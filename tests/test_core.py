@@ -560,7 +560,14 @@ def _bf16_scan_37_steps(x):
     return jax.lax.scan(lambda c, v: (c * v.astype(jnp.bfloat16) + jnp.bfloat16(0.7), c), c0, xs)
 
 
+def _fori_17_steps(v):
+    # helper-43's fuzzer: 12 to 30 static steps move too (40 and 50 do not)
+    return jax.lax.fori_loop(0, 17, lambda i, v: v * 0.9 + 0.1 * (jnp.sum(v) * 0.1 + i.astype(jnp.float32) * 0.01), v)
+
+
 _SHORT = {"fori_5_steps": (_short_fori, jnp.linspace(0.1, 1.3, 6, dtype=jnp.float32).reshape(2, 3), {}),
+          "fori_17_steps": (_fori_17_steps, jnp.asarray(np.random.RandomState(2008).randn(3).astype(np.float32)) * 0.3,
+                            {"max_depth": 0}),
           "one_trip_outer_only": (_one_trip_line_search, jnp.array([-1.2, 1.0, 0.5, -0.3, 0.8]), {"max_depth": 0}),
           "bf16_37_steps": (_bf16_scan_37_steps, jnp.float32(0.3), {})}
 _SHORT_GAPS = {name: _SHORT_LOOP for name in _SHORT}
@@ -582,6 +589,30 @@ def test_short_jitted_loops_with_a_known_trip_count(name):
 
 
 # --------------------------------------------------------------------- vmap
+_YS_LANE_FIRST = ("known boundary (README, A scan's ys under vmap): under vmap the runner's ys buffer, carried by a "
+                  "while loop, is laid out lane-first, JAX's own scan stacks ys step-first; a sum over the steps "
+                  "adds in another order on this CPU (2 ulps here)", False)
+
+
+@pytest.mark.parametrize("length", [pytest.param(17, marks=pytest.mark.xfail(strict=False, reason=_YS_LANE_FIRST[0])),
+                                    12])
+def test_vmap_of_a_scan_whose_ys_are_summed_over_its_steps(length):
+    # helper-43's fuzzer: jit(vmap(f)), f a 17-step tanh scan whose ys are
+    # summed; the ys themselves are bitwise, and so is f without vmap
+    def f(c0):
+        _, ys = jax.lax.scan(lambda c, _: (c * 0.5 + 0.1 * jnp.tanh(c * 1.3),) * 2, c0, None, length=length)
+        return jnp.sum(ys), ys
+
+    w = jnp.asarray(np.random.RandomState(5049).randn(3, 3).astype(np.float32)) * 0.3
+    fn = jax.jit(jax.vmap(f))
+    plain = fn(w)
+    with tap.record() as rec:
+        out = sync(fn(w))
+    assert len(rec) == 3 * length
+    assert_bits(out[1], plain[1])
+    assert_bits(out[0], plain[0])
+
+
 def test_vmap_of_verbose_and_verbose_of_vmap_with_while_loops():
     def f(x):
         return jax.lax.while_loop(lambda s: s[1] < 10.0, lambda s: (s[0] + 1, s[1] * 2.0 + 1.0), (0, x))

@@ -46,11 +46,11 @@ def jit_key_state(name: str, doc: str):
 
 
 class LazyKeyState:
-    """A :func:`jit_key_state` registered at its first use (inside a block),
-    not at import: JAX keys its caches on every such state, so a new one
-    makes each function compiled before it compile once more (importing
-    jax-tap late in a notebook must not re-pay the model's compiles; the
-    first block does, once)."""
+    """A :func:`jit_key_state` registered when first asked for (see
+    :func:`register_key_states`), not at import: JAX keys its caches on
+    every such state, so a new one makes each function compiled before it
+    compile once more (importing jax-tap late in a notebook must not re-pay
+    the model's compiles; the first block does, once)."""
 
     _lock = threading.Lock()
 

@@ -375,9 +375,11 @@ def test_a_where_that_chooses_no_loop_says_so_at_the_blocks_exit():
             f(jnp.float32(0))
         with tap.record(where=lambda p: False, taps=[tap.on("add")]) as prims_only:
             f(jnp.float32(0))
+        with tap.record(where=lambda p: False) as nothing:  # no loop, by construction: nothing to say
+            f(jnp.float32(0))
         sync()
     said = [str(w.message) for w in caught if issubclass(w.category, tap.TapWarning)]
-    assert len(missed) == 0 and len(chosen) > 0 and len(prims_only) > 0
+    assert len(missed) == len(nothing) == 0 and len(chosen) > 0 and len(prims_only) > 0
     assert len(said) == 1 and "chose none of the loops" in said[0] and "scan[0], scan[0]/while[0]" in said[0]
 
 

@@ -86,7 +86,7 @@ class TapContext:
         if self._plan.prim_taps and self._names_seen:
             warn_unmatched(self._plan.prim_taps, self._names_seen)
         if self._plan.where is not None and not self._plan.prim_taps and self._times is None:  # (loops alone)
-            warn_where_unmatched(self._token.walker.where_asked, self.recorder)
+            warn_where_unmatched(self._plan.where, self._token.walker.where_asked, self.recorder)
         if interrupt is not None:  # a Ctrl-C stopped the run: say it as Python would
             raise interrupt from exc
         return False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import difflib
+import dis
 import threading
 from typing import Callable, Optional
 
@@ -200,14 +201,24 @@ def warn_unmatched(taps, names_seen) -> None:
         warn_once_now(f"jax-tap: tap name {t.prim!r} matched nothing{hint}")
 
 
-def warn_where_unmatched(asked, recorder) -> None:
+def warn_where_unmatched(where, asked, recorder) -> None:
     """Warn when ``where`` chose none of the loops it was asked about
-    (``asked``: path -> answer) and the block heard from no loop."""
-    if not asked or any(asked.values()) or any(e.kind != "primitive" for e in recorder.events):
+    (``asked``: path -> answer) and the block heard from no loop; not when
+    ``where`` says no to every loop by construction (``lambda p: False``)."""
+    if not asked or any(asked.values()) or _always_false(where) or any(e.kind != "primitive" for e in recorder.events):
         return
     paths = ", ".join(list(asked)[:8]) + (", ..." if len(asked) > 8 else "")
     warn_once_now(f"jax-tap: `where` chose none of the loops it was asked about ({paths}); no loop sent an "
                   "event. `where` receives these paths: e.g. where=lambda path: path.startswith('while[0]').")
+
+
+def _always_false(fn) -> bool:
+    """Is ``fn``'s whole body ``return False``?"""
+    try:
+        ops = [(i.opname, i.argval) for i in dis.get_instructions(fn) if i.opname not in ("RESUME", "NOP", "CACHE")]
+    except TypeError:  # not Python code
+        return False
+    return ops in ([("LOAD_CONST", False), ("RETURN_VALUE", None)], [("RETURN_CONST", False)])
 
 
 def prim_consumers(taps, recorder=None, on_step=None):

@@ -268,8 +268,9 @@ def _sync_patches():
     taps by name, exactly while they are needed."""
     wanted = set(_LOOPS) if _REGISTRY.n_active else set()
     if _REGISTRY.n_active:
-        _IMPLS[0] = _seam.impl_primitives()
-        wanted.update(_IMPLS[0])  # library primitives holding loops (lineax)
+        impls = _seam.impl_primitives()
+        _IMPLS[0] = len(impls)
+        wanted.update(impls)  # library primitives holding loops (lineax)
         if _seam.shard_map_p is not None:
             wanted.add(_seam.shard_map_p)  # its mesh says which device runs each shard
         for ctx in _REGISTRY.active():
@@ -302,14 +303,14 @@ def _sync_patches():
     _seam.clean_eager_dispatch(bool(_REGISTRY.n_active))
 
 
-_IMPLS = [[]]  # the library primitives intercepted at the last sync
+_IMPLS = [0]  # how many library primitives the last sync intercepted
 
 
 def _on_jit_trace():
     """A library imported inside a block (``python -m jaxtap`` runs the
     script's imports in one) defines its loop-holding primitives then:
     intercept them before the next jit call is traced."""
-    if len(_seam.impl_primitives()) != len(_IMPLS[0]):
+    if _seam.impl_count() != _IMPLS[0]:
         with _REGISTRY.lock:
             _sync_patches()
 

@@ -56,6 +56,7 @@ __all__ = [
     "subjaxprs_of",
     "impl_of",
     "impl_primitives",
+    "impl_count",
     "top_loops",
     "scan_reverse",
     "TAP_SCOPE",
@@ -293,6 +294,11 @@ def impl_primitives() -> list:
     return list(_impl_registry())
 
 
+def impl_count() -> int:
+    """How many such primitives exist now (checked before each jit trace in a block: no list built)."""
+    return len(_impl_registry())
+
+
 def top_loops(jaxpr):
     """(name, site) of each loop reachable without entering a loop body, in
     program order (through jits, branches and other calls)."""
@@ -338,7 +344,7 @@ def staged_by_us(eqn):
 def _primitive_table():
     table = {}
     for module in _PRIMITIVE_MODULES:
-        mod = sys.modules.get(module) or internal(module)
+        mod = internal(module)
         for attr in dir(mod) if mod is not None else ():
             prim = getattr(mod, attr)
             if attr.endswith("_p") and isinstance(prim, _core.Primitive):

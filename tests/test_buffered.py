@@ -100,6 +100,27 @@ def _cfg(flush_every=None, sample_every=1):
                       tap.on("cos")])
 
 
+_FLAT = ("scan_ys", "scan_reverse", "while", "wrapped_body", "dict_carry", "vmap_scan")
+
+
+def _close(got, want, exact):
+    """Same steps, totals and layouts; float values equal (``exact``) or
+    within 1e-5 relative (a nested copy's last bits move later steps too)."""
+    if exact or got == want:
+        return got == want
+    if [g[:2] for g in got] != [w[:2] for w in want]:
+        return False
+    for (_, _, gb), (_, _, wb) in zip(got, want):
+        for g, w in zip(gb, wb):
+            if g == w:
+                continue
+            if not (isinstance(g, tuple) and g[:2] == w[:2] and np.dtype(g[0]).kind == "f"):
+                return False
+            if not np.allclose(np.frombuffer(g[2], g[0]), np.frombuffer(w[2], w[0]), rtol=1e-5, atol=1e-6):
+                return False
+    return True
+
+
 def _by_stream(events):
     """(path, kind, lane) -> [(step, total, value bits), ...] in arrival order."""
     out = {}
@@ -123,7 +144,10 @@ def test_buffered_events_equal_unbuffered(name, flush_every, sample_every):
     s0, s1 = _by_stream(ev0), _by_stream(ev1)
     assert s1.keys() == s0.keys()
     for key in s0:
-        assert s1[key] == s0[key], key
+        # the events of a loop holding primitive taps come from a copy of it,
+        # and XLA may compile a buffered and an unbuffered copy of a nested or
+        # vmapped while loop apart (JAX 0.12.1 on CPU: last bits, carried on)
+        assert _close(s1[key], s0[key], exact=name in _FLAT), key
         steps = [s for s, _, _ in s1[key]]
         if "nested" not in name:  # (an inner loop's steps restart with each outer step)
             assert steps == sorted(steps), f"{key}: not in step order"
@@ -167,8 +191,8 @@ def test_one_hop_per_k_steps_plus_the_partial_one(hops, k, expected):
     with tap.record(select=lambda l: l[0].mean(), taps=[tap.on("sin", select=lambda o: o[0].max())],
                     flush_every=k) as rec:
         sync(jax.jit(_scan50)(jnp.ones(3)))
-    # unbuffered: a primitive hop and a carry hop per step
-    assert hops[0] == (2 * expected if k is None else expected)
+    # unbuffered: one hop per step, the step's primitive and carry events in it
+    assert hops[0] == expected
     assert len(rec.events) == 100
 
 
@@ -304,8 +328,8 @@ def _three_deep(x):
 
 @pytest.mark.parametrize("batched", [False, True])
 def test_nested_scans_ship_inside_their_outer_step(hops, batched):
-    """With flush_every, an inner scan needs no callback: its events ride in
-    the outer step's buffer row (a while loop keeps its own buffer)."""
+    """With flush_every, an inner loop needs no callback: its events ride in
+    the outer step's buffer row."""
     f = jax.jit(jax.vmap(_three_deep) if batched else _three_deep)
     plain = f(_x(batched))
     cfg = dict(select=lambda l: l[0].sum(), taps=[tap.on("sin", select=lambda o: o[0].sum())])
@@ -316,15 +340,12 @@ def test_nested_scans_ship_inside_their_outer_step(hops, batched):
         out = sync(f(_x(batched)))
     assert_bits(out, plain)
     s0, s1 = _by_stream(rec0.events), _by_stream(rec1.events)
-    if batched:
-        # the while's step counter is the same in every lane: unbuffered it is
-        # one unbatched event, buffered one event per lane (the row is batched)
-        none = s0.pop(("scan[0]/while[0]", "carry", None))
-        for lane in range(4):
-            assert s1.pop(("scan[0]/while[0]", "carry", lane)) == none
+    # (under vmap the while's step counter, the same in every lane, comes one
+    # event per lane: its hop also carries the batched values of its sin)
     assert s1 == s0
-    # one hop for the outer buffer, and one per while-loop execution (5 outer steps)
-    assert hops[0] == 1 + 5
+    # one hop for the outer buffer: the while loop's steps ride in it too
+    # (gathered: the user's while loop writes them into its step's row)
+    assert hops[0] == 1
     paths = {e.path for e in rec1.events}
     assert {"scan[0]", "scan[0]/jit[0]/scan[0]", "scan[0]/jit[0]/scan[0]/scan[0]", "scan[0]/while[0]",
             "scan[0]/jit[0]/scan[0]/scan[0]/sin[0]", "scan[0]/while[0]/sin[0]"} <= paths

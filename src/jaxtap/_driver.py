@@ -14,7 +14,7 @@ import numpy as np
 from jax import lax
 
 from . import _seam
-from ._emit import Block, Buffer, emit
+from ._emit import Block, Buffer, emit, split_all
 from ._rules import both as _both, one as _one
 
 
@@ -159,10 +159,14 @@ def drive(walker, wants, path, top, runner: Runner, side=None, collect=None, lan
     Returns the runner's final state.
     """
     metas, loop_payloads = walker.loop_parts(wants, path, top, runner.total, view)
+    fired = None  # (seen) -> traced "a tripwire fired", where only tripwires ride
     if side is None:
         def payloads(carry, ys, side_values):
             return loop_payloads(carry, ys)
     else:  # a step's primitive events come before its carry, as unbuffered
+        if not metas and side.gated_only:
+            def fired(seen):
+                return side.any_fired(seen[2])
         metas = side.metas + metas
 
         def payloads(carry, ys, side_values):
@@ -175,13 +179,13 @@ def drive(walker, wants, path, top, runner: Runner, side=None, collect=None, lan
     # runner: XLA then schedules the events-only forward run before the
     # backward pass, which nothing else orders; see Runner.advance)
     runner = runner._replace(every=0 if walker.plan.backward else walker.plan.sample_every)
-    if walker.plan.flush_every is None:
-        drive = _drive_scan if runner.uniform else _drive_while
-        return drive(walker, metas, payloads, runner, k0, lane_running)
-    if collect is not None:
+    if collect is not None:  # inside a step that ships its inner loops' events: no callback here
         out = _collect(metas, payloads, runner, k0, walker.sinks.guard, collect)
         if out is not None:
             return out
+    if walker.plan.flush_every is None:
+        drive = _drive_scan if runner.uniform else _drive_while
+        return drive(walker, metas, payloads, runner, k0, lane_running, fired)
     return _drive_buffered(walker, metas, payloads, runner, k0, lane_running, nested="/" in path)
 
 
@@ -200,17 +204,19 @@ def _goes_on(s):
     return lax.bitwise_and(s[2], lax.ne(s[1], np.int32(0)))
 
 
-def _drive_scan(walker, metas, payloads, runner, k0, lane_running):
+def _drive_scan(walker, metas, payloads, runner, k0, lane_running, fired=None):
     """A scan, one hop per sampled step: the driver stops right after the last
     sampled step, so every runner call ends on a sampled step and the hop
-    needs no lane_running; the steps after it run in one more runner call."""
+    needs no lane_running; the steps after it run in one more runner call.
+    ``fired(seen)``: where only tripwires ride, the hop runs where one fired."""
     every = walker.plan.sample_every
 
     def d_body(s):
         i, k, st = s[0], s[1], list(s[2:])
         i2, st2, last, _ = runner.advance(i, k, st)
         seen = runner.observe(last, st2)
-        emit(metas, lambda: payloads(*seen), walker.sinks.guard, step=last, sample_every=1, when=lane_running)
+        when = lane_running if fired is None else _both(fired(seen), lane_running)
+        emit(metas, lambda: payloads(*seen), walker.sinks.guard, step=last, sample_every=1, when=when)
         return (i2, k, *st2)
 
     stop = runner.last_sampled(every)
@@ -218,8 +224,9 @@ def _drive_scan(walker, metas, payloads, runner, k0, lane_running):
     return runner.finish(out[0], list(out[2:]), every)
 
 
-def _drive_while(walker, metas, payloads, runner, k0, lane_running):
-    """A while loop, one hop per sampled step, gated by "sampled"."""
+def _drive_while(walker, metas, payloads, runner, k0, lane_running, fired=None):
+    """A while loop, one hop per sampled step, gated by "sampled" (and by
+    ``fired(seen)``, where only tripwires ride)."""
     n_state = len(runner.state)
     one_step = runner.one_step  # then "sampled" means the step ran (false only in finished lanes)
 
@@ -227,8 +234,9 @@ def _drive_while(walker, metas, payloads, runner, k0, lane_running):
         s = _Hop(flat[0], flat[1], flat[2], list(flat[3:3 + n_state]))
         i2, st2, last, sampled = runner.advance(s.i, s.k, s.state)
         seen = runner.observe(last, st2)
+        when = _both(sampled, lane_running)
         emit(metas, lambda: payloads(*seen), walker.sinks.guard, step=last, sample_every=walker.plan.sample_every,
-             when=_both(sampled, lane_running), gate_on_host=one_step)
+             when=when if fired is None else _both(fired(seen), when), gate_on_host=one_step and fired is None)
         return (i2, s.k, runner.goes_on(i2, st2), *st2)
 
     start = _FIRST_STEP
@@ -280,6 +288,10 @@ def _drive_buffered(walker, metas, payloads, runner, k0, lane_running, nested=Fa
 
 _NESTED_WHILE_ROWS = 64  # rows of a buffered while loop nested in another loop
 _BLOCK_BYTES = 4 << 20  # the most device memory blocks may add to a buffer
+# a while loop gathered into its enclosing step (gather_while): its rows, and
+# the most bytes its buffer may take (it crosses whole with every outer step)
+_GATHERED_WHILE_ROWS = 1024
+_GATHERED_WHILE_BYTES = 64 << 10
 _BUFFER_BYTES = 4 << 20  # the most device memory one loop's buffer may take (a flush ships it whole)
 
 
@@ -304,3 +316,63 @@ def _collect(metas, payloads, runner, k, guard, into):
     cs = _seam.while_loop(lambda cs: lax.lt(cs[0], n), c_body, start)
     into.add(Block(metas, buf.layouts, total), list(cs[3 + n_state:]))  # rows in execution order; steps implied
     return list(cs[2:2 + n_state])
+
+
+
+def gather_while(walker, wants, path, top, side, init, cond, step, observe, into, lane_running=None):
+    """A while loop inside a step that ships its inner loops' events (no
+    callback there), kept as the user's loop: ``cond(state)`` and
+    ``step(i, state)`` are the user's, each step's events are written into a
+    buffer of ``_GATHERED_WHILE_ROWS`` rows, and the buffer with the number
+    of steps joins ``into`` as a counted Block (steps past the buffer are
+    counted, not kept; the host warns). None where the buffer would pass
+    ``_GATHERED_WHILE_BYTES`` (it crosses whole with every outer step): the
+    loop is then driven, its own hops inside the outer loop. Returns the
+    final state."""
+    metas, loop_payloads = walker.loop_parts(wants, path, top, None)
+    metas = (side.metas if side is not None else []) + metas
+
+    def payloads(carry, ys, side_values):
+        return (side.payloads(side_values) if side is not None else []) + loop_payloads(carry, ys)
+
+    cap, n = _GATHERED_WHILE_ROWS, len(init)
+    buf = Buffer(metas, payloads, observe, cap, walker.sinks.guard)
+    buf.prepare(init, lambda st: step(_FIRST_STEP, st))
+    if into.rows * (cap + 1) * buf.row_bytes() > _GATHERED_WHILE_BYTES:
+        return None
+
+    def body(s):
+        i, j, m, st, bufs = s[0], s[1], s[2], list(s[3:3 + n]), list(s[3 + n:])
+        st2 = list(step(i, st))
+        j2, bufs2 = buf.write(_both(lax.lt(j, np.int32(cap)), lane_running), j, i, st2, bufs)
+        m2 = lax.add(m, _one() if lane_running is None else lax.convert_element_type(lane_running, np.int32))
+        return (lax.add(i, _one()), j2, m2, *st2, *bufs2)
+
+    s = _seam.while_loop(lambda s: cond(list(s[3:3 + n])), body,
+                         (_FIRST_STEP, np.int32(0), np.int32(0), *init, *buf.empty()))
+    into.add(Block(metas, buf.layouts, cap, counted=True), [s[2], *s[4 + n:]])
+    return list(s[3:3 + n])
+
+
+class _Row:
+    """A step's events as operands, their host layouts kept (see stacked_rows)."""
+
+    def __init__(self, payloads):
+        self.payloads, self.layouts = payloads, []
+
+    def operands(self, carry, ys, side_values):
+        operands, self.layouts = split_all(self.payloads(carry, ys, side_values))
+        return operands
+
+
+def stacked_rows(walker, wants, path, top, total, side=None):
+    """(metas, row) of a loop whose steps' events are stacked as extra
+    outputs of the user's own loop: ``row.operands(carry, ys, side values)``
+    is a step's (traced in its body), ``row.layouts`` their host layouts."""
+    metas, loop_payloads = walker.loop_parts(wants, path, top, total)
+    metas = (side.metas if side is not None else []) + metas  # a step's primitive events before its carry
+
+    def payloads(carry, ys, side_values):
+        return (side.payloads(side_values) if side is not None else []) + loop_payloads(carry, ys)
+
+    return metas, _Row(payloads)

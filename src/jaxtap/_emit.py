@@ -10,6 +10,7 @@ its result; the host side
 """
 from __future__ import annotations
 
+
 import threading
 from typing import Any, NamedTuple
 
@@ -242,17 +243,27 @@ class Block:
     events (and nested blocks), so the inner loop needs no callback at all.
     """
 
-    __slots__ = ("length", "metas", "layouts", "gated")
+    __slots__ = ("length", "metas", "layouts", "gated", "counted")
 
-    def __init__(self, metas, layouts, length, gated=False):
+    def __init__(self, metas, layouts, length, gated=False, counted=False):
         self.metas = list(metas)  # one step's entries (Meta or Block) ...
         self.layouts = list(layouts)  # ... and their Layouts
         self.length = length
         self.gated = gated  # its payload is (ran?, arrays): a scan in a cond branch
+        # its payload is (steps run, arrays of length + 1 rows): a while loop's
+        self.counted = counted
 
     def expand(self, arrays, lane, guard):
         """Deliver every step of ``arrays`` (host, one per value, steps leading)."""
         n = self.length
+        if self.counted:
+            ran, arrays = int(np.asarray(arrays[0])), arrays[1:]
+            if ran > n:
+                path = getattr(self.metas[-1], "path", "a loop")
+                warn_once_now(f"jax-tap: {path} ran {ran} steps within one step of the loop around it, whose "
+                              f"events carry {n} of them (its steps ride in the outer step's hop): the steps "
+                              f"past {n} were not kept. sample_every > 1 ships this loop on its own.")
+            n = min(ran, n)
         if len(self.metas) == 1 and _is_column(self.metas[0], self.layouts[0]):
             _deliver_column(self.metas[0], guard, list(range(n)), arrays[0], n, lane)
             return
@@ -260,7 +271,7 @@ class Block:
             _deliver_row(self.metas, self.layouts, guard, step, arrays, step, lane)  # rows in execution order
 
 
-def _split_all(values):
+def split_all(values):
     """Flatten several payload values into operands plus host layouts."""
     operands, layouts = [], []
     for value in values:
@@ -321,7 +332,7 @@ def _sub_byte(dtype) -> bool:
     return False
 
 
-def hop(host, args, batched=True):
+def hop(host, args, batched=True, stage=None):
     """Stage one host callback of ``host(*args)``, packed into one operand.
 
     Under ``jax.vmap`` it stays ONE callback carrying every lane (the host
@@ -368,7 +379,7 @@ def hop(host, args, batched=True):
             for lane in range(np.shape(arrays[0])[0] if arrays else 0):
                 host(*[a[lane] for a in arrays], lane=lane)
 
-        _stage_hop(one, lanes, packed, batched)
+        (stage or _stage_hop)(one, lanes, packed, batched)
 
 
 def _tagged(origin, arrays, deliver):
@@ -439,6 +450,9 @@ def _stage_hop(one, lanes, packed, batched):
     _hop(packed)
 
 
+
+_stage_check = _stage_hop  # (warn_where's: the same staging, not counted as an event hop by tests)
+
 def emit(metas, payloads, guard, *, step, sample_every, when=None, batched_hop=True, gate_on_host=False):
     """Stage one host hop at ``step`` carrying one event per meta.
 
@@ -453,7 +467,7 @@ def emit(metas, payloads, guard, *, step, sample_every, when=None, batched_hop=T
     conditional = when is not None
 
     def fire(step, *flag):
-        operands, layouts = _split_all(payloads())
+        operands, layouts = split_all(payloads())
         host = make_host_fn(metas, layouts, guard, sample_every, conditional)
         hop(host, (step, *flag, *operands), batched_hop)
 
@@ -475,57 +489,6 @@ def emit(metas, payloads, guard, *, step, sample_every, when=None, batched_hop=T
             jax.lax.cond(step % sample_every == 0, gated, lambda *_: (), step)
 
 
-class Side:
-    """Primitive-tap values that a buffered loop carries out of its body.
-
-    With ``flush_every``, a primitive tap inside a loop body does not hop:
-    its selected value becomes an extra output of the step (threaded out of
-    any ``jit`` or ``checkpoint`` around it), the runner carries the latest
-    one, and the driver buffers it with the loop's own events.
-
-    ``rows``: how many copies of each value the outermost device buffer
-    holds (its capacity, times the lengths of the blocks in between).
-    """
-
-    def __init__(self, rows=1):
-        self.rows = rows
-        self.entries = []  # (meta, static leaves, treedef, n leaves, n array leaves)
-        self.values = []  # traced arrays, entry after entry
-
-    def add(self, meta, value, fired=None):
-        """Record ``value`` for ``meta``; with ``fired`` (traced bool), the
-        event exists only where it is true."""
-        if fired is not None:
-            if isinstance(meta, Block) and not meta.gated:
-                meta = Block(meta.metas, meta.layouts, meta.length, gated=True)
-            elif not meta.gated:
-                meta = Meta(meta.deliver, meta.path, meta.top, meta.total, meta.kind, gated=True,
-                            backward=meta.backward, lanes=meta.lanes)
-            value = (fired, value)
-        dynamic, static, treedef, n = _split_payload(value)
-        self.entries.append((meta, static, treedef, n, len(dynamic)))
-        self.values.extend(dynamic)
-
-    def extend(self, other, values):
-        """Adopt a sub-trace's entries, with their values as seen out here."""
-        self.entries.extend(other.entries)
-        self.values.extend(values)
-
-    @property
-    def metas(self):
-        return [e[0] for e in self.entries]
-
-    def payloads(self, values):
-        """Each entry's value rebuilt from ``values`` (laid out as ``self.values``)."""
-        out, offset = [], 0
-        for _, static, treedef, n, n_dyn in self.entries:
-            it = iter(values[offset:offset + n_dyn])
-            offset += n_dyn
-            out.append(jax.tree_util.tree_unflatten(treedef, [static[i] if i in static else next(it)
-                                                              for i in range(n)]))
-        return out
-
-
 class Buffer:
     """Device-side buffering of ``capacity`` sampled steps per host hop.
 
@@ -541,7 +504,7 @@ class Buffer:
         self.layouts, self.shapes = None, None
 
     def _dynamic(self, last, state):
-        operands, layouts = _split_all(self.payloads(*self.observe(last, state)))
+        operands, layouts = split_all(self.payloads(*self.observe(last, state)))
         self.layouts = layouts
         return operands
 
@@ -588,6 +551,22 @@ class Buffer:
 
         with _seam.tap_scope():
             jax.lax.cond(jax.lax.gt(count, np.int32(0)), ship, lambda *_: (), count, *bufs)
+
+
+def warn_where(flag, message):
+    """Warn ``message`` (once) where the traced ``flag`` is true at run time."""
+    def host(fired, lane=None):
+        if np.asarray(fired).any():
+            warn_once_now(message)
+
+    host.lanes = host  # (every lane's flag at once)
+
+    def fire(f):
+        hop(host, (f,), stage=_stage_check)  # (one callback for every lane; not an event hop)
+        return ()
+
+    with _seam.tap_scope():
+        jax.lax.cond(flag, fire, lambda f: (), flag)
 
 
 def finite_flag(outs):

@@ -14,11 +14,12 @@ from jax import lax
 
 from . import _seam
 from ._cotangents import cotangent_view
-from ._driver import Runner, drive
-from ._emit import Side
+from ._driver import _BLOCK_BYTES, Runner, drive, gather_while, stacked_rows
+from ._emit import Block
+from ._side import Side
 from ._host import warn_once_now
 from ._rules import bind as _bind, bool_aval as _bool_aval, both as _both, int32_aval as _int32_aval, one as _one
-from ._rules import events_only, observed, register
+from ._rules import events_only, observed, register, shadowed
 from ._scope import Counter
 from ._transform import interpret, tappable_names
 
@@ -87,8 +88,10 @@ class _ScanRewrite:
         self.emits = any(self.wants)
         plan = walker.plan
         # an inner scan no longer than K may ride in its enclosing buffered step
-        self.as_block = scope.side is not None and plan.sample_every == 1 and self.length <= plan.flush_every
-        self.rows = scope.side.rows * self.length if self.as_block else plan.flush_every
+        self.as_block = (scope.side is not None and plan.sample_every == 1
+                         and self.length <= (plan.flush_every or self.length))
+        self.rows = scope.side.rows * self.length if self.as_block else (plan.flush_every or 1)
+        self.sides = walker.sides_for(self.body.jaxpr)  # (see Walker.sides_for)
         # inside a vmapped while body (or a branch of a batched cond), events of
         # lanes that are not running are dropped: the flag enters every trace
         self.lane_running = scope.lane_running
@@ -105,7 +108,7 @@ class _ScanRewrite:
             self._trace_step()
             if self.emits or self.side is not None:
                 return self.block
-        if not self.emits and not self.walker.buffers:
+        if not self.emits and not self.sides:
             return self.thread
         if self.length == 1 and not needs and self.view is None:
             return self.one_trip
@@ -119,7 +122,7 @@ class _ScanRewrite:
         # JAX never differentiates what runs here (see _seam.observed), so
         # taps may use the vmap-aware hop (differentiable=False)
         args, lane_running = (args[:-1], args[-1]) if self.lane_flags else (args, None)
-        side = Side(self.rows) if self.walker.buffers and buffered else None
+        side = Side(self.rows) if self.sides and buffered else None
         child = self.scope.child(self.path, Counter(), counter, self.length, self.top, differentiable=False, side=side,
                                  backward=self.view is not None)
         if self.view is not None:  # primitive taps sample forward steps too
@@ -151,7 +154,11 @@ class _ScanRewrite:
     def thread(self, invals):
         """A scan that does not emit itself: its step counter rides in the
         carry for the taps inside it."""
-        return observed(self._counted, self._plain, invals)
+        return self._observe(self._counted, invals)
+
+    def _observe(self, run, invals):
+        shadow = self.view is None and shadows(self.walker, self.body.jaxpr, self.length)
+        return (shadowed if shadow else observed)(run, self._plain, invals)
 
     def _counted(self, *args):
         nc, ng = self.nc, len(self.lane_flags)
@@ -169,9 +176,16 @@ class _ScanRewrite:
         return outs[1:]
 
     def block(self, invals):
-        """Inside a buffered step: this whole scan becomes one Block of that
-        step, collected by a callback-free driver (never differentiated),
-        unless the block would make the device buffer too large."""
+        """Inside a step that ships its inner loops' events: this whole scan
+        becomes one Block of that step (never differentiated). Forward, the
+        user's own scan with each step's events as extra outputs; else (or
+        where the block would make the device buffer too large) collected by
+        a callback-free driver, or failing that, driven."""
+        if self.view is None:
+            out = _gathered_scan(self.walker, self.wants, self.params, self.stepped, self.path, self.top, invals,
+                                 self.side, self.lane_running, self.scope.side)
+            if out is not None:
+                return out
         return _scan_driver(self.walker, self.wants, self.params, self.stepped, self.path, self.top, invals,
                             self.side, self.lane_running, collect=self.scope.side, view=self.view)
 
@@ -192,7 +206,28 @@ class _ScanRewrite:
             return _scan_driver(self.walker, self.wants, self.params, self.stepped, self.path, self.top, args,
                                 self.side, self.lane_running, view=self.view)
 
-        return observed(run, self._plain, invals)
+        return self._observe(run, invals)
+
+
+# A scan of at most this many steps whose body holds no loop runs as written,
+# its tapped form a copy for the events (_rules.shadowed): XLA unrolls a short
+# loop whose trip count it knows, and rounds the unrolled steps otherwise than
+# a runner's (JAX 0.12.1 on CPU contracts some multiply-adds there).
+_SHORT_SCAN = 32
+
+
+def shadows(walker, jaxpr, length=None) -> bool:
+    """Does this loop run as written, its tapped form a copy for events?
+    Where its body (at any depth) holds primitive taps, or it is a short
+    scan with no loop inside (``length``: a scan's). Never inside a copy,
+    nor where the body has callbacks of the user's (XLA compiles such a loop
+    as a tapped one already, and they must see its events live)."""
+    if events_only() or jaxpr.effects:
+        return False
+    names = tappable_names(jaxpr)
+    if walker.taps_any(names):
+        return True
+    return length is not None and length <= _SHORT_SCAN and _seam.SCAN not in names and _seam.WHILE not in names
 
 
 def _user_view(fwd, carry, ys, consts, xs, idx):
@@ -249,6 +284,46 @@ def _scan_driver(walker, wants, params, stepped, path, top, args, side, lane_run
     return out[:ncar + nys]
 
 
+def _gathered_scan(walker, wants, params, stepped, path, top, args, side, lane_running, into):
+    """The user's scan (same length, direction and unroll: XLA compiles it
+    as untapped, unrolled where short) with each step's events as extra
+    outputs, joining ``into`` as one Block; None where it would not fit."""
+    body, nc, ncar, length = _seam.scan_parts(params)
+    reverse = _seam.scan_reverse(params)
+    consts, carry, xs = list(args[:nc]), list(args[nc:nc + ncar]), list(args[nc + ncar:])
+    nys = len(body.out_avals) - ncar
+    fwd = _seam.forwarding_of(_seam.scan_p, params)
+    if wants[1] and not nys and not (fwd is not None and fwd.ys):
+        wants = (wants[0], False)  # a body returning (carry, None) has no outputs
+    metas, row = stacked_rows(walker, wants, path, top, length, side)
+    counted, flags = _reads_step(stepped), [] if lane_running is None else [lane_running]
+    steps = lax.iota(np.int32, length)
+
+    def step(c, x):
+        x, i = (x[:-1], x[-1]) if counted else (x, np.int32(0))
+        outs = _seam.call_closed(stepped, [i, *consts, *c, *x, *flags])
+        new, ys, side_values = outs[:ncar], outs[ncar:ncar + nys], outs[ncar + nys:]
+        seen_c, seen_ys = _user_view(fwd, new, list(ys) if wants[1] else None, consts, [v[None] for v in x],
+                                     np.int32(0))
+        return list(new), (list(ys), row.operands(seen_c, seen_ys or [], side_values))
+
+    order = lax.rev(steps, (0,)) if reverse else steps  # the step that reads each position
+    carry, (ys, stacked) = lax.scan(step, carry, xs + [order] if counted else xs, length=length,
+                                    reverse=reverse, unroll=_seam.scan_unroll(params))
+    if into.rows * sum(v.size * v.dtype.itemsize for v in stacked) > _BLOCK_BYTES:
+        return None  # (the scan just staged is dead code then: XLA drops it)
+    if reverse:  # rows in execution order
+        stacked = [lax.rev(v, (0,)) for v in stacked]
+    into.add(Block(metas, row.layouts, length), list(stacked), fired=lane_running)
+    return list(carry) + list(ys)
+
+
+def _reads_step(closed) -> bool:
+    """Does a traced step read its step counter (its first input)?"""
+    v = closed.jaxpr.invars[0]
+    return v in closed.jaxpr.outvars or any(v in e.invars for e in closed.jaxpr.eqns)
+
+
 @register(_seam.while_p)
 def handle_while(walker, eqn, params, invals, scope, site):
     """A while loop: observed through a driver and an effect-free runner.
@@ -277,15 +352,31 @@ def handle_while(walker, eqn, params, invals, scope, site):
     def tapped(*args):
         return _tapped_while(walker, scope, path, top, wants, emits, cond, cnc, body, bnc, list(args), fwd)
 
-    return observed(tapped, plain, list(invals))
+    if _gathered(walker, scope):
+        return tapped(*invals)  # gathered into its enclosing step, whose driver is never differentiated
+    shadow = shadows(walker, body.jaxpr) and not cond.jaxpr.effects
+    return (shadowed if shadow else observed)(tapped, plain, list(invals))
 
 
 def _tapped_while(walker, scope, path, top, wants, emits, cond, cnc, body, bnc, invals, fwd=None):
     loop = _WhileRewrite(walker, scope, path, top, cond, cnc, body, bnc, invals, fwd)
     if not emits and loop.side is None:
         return loop.thread()  # nothing to emit here: only thread the step through for the inner taps
+    if _gathered(walker, scope) and not loop.batched:
+        out = loop.gathered(wants, scope.side)
+        if out is not None:
+            return out
     out = drive(walker, wants, path, top, loop.runner(), side=loop.side, lane_running=loop.lane_running)
     return out[:len(loop.init)]
+
+
+def _seam_list(state, n):
+    return None if state is None else list(state[:n])
+
+
+def _gathered(walker, scope) -> bool:
+    """Does a loop here ship its events with its enclosing step (no callback)?"""
+    return scope.side is not None and walker.plan.sample_every == 1
 
 
 class _WhileRewrite:
@@ -304,7 +395,8 @@ class _WhileRewrite:
         self.lane_flags = [] if self.lane_running is None else [self.lane_running]
         self.stepped, self.side = None, None
         self.fwd = fwd  # carry leaves the front end moved out (see _seam.forwarding)
-        if walker.buffers and walker.needs(body.jaxpr):
+        self.sides = walker.sides_for(body.jaxpr)
+        if self.sides and walker.needs(body.jaxpr):
             self._trace_step()
 
     def lane_pred(self, carry, cc=None, loud=False):
@@ -328,7 +420,7 @@ class _WhileRewrite:
 
     def user_body(self, step, carry, bc=None, cc=None, buffered=False, outer=None):
         bc = self.bconsts if bc is None else bc
-        side = Side(self.walker.plan.flush_every) if buffered else None
+        side = Side(self.walker.plan.flush_every or 1) if buffered else None
         # a while body is never transposed: its taps may use the vmap-aware hop
         child = self.scope.child(self.path, Counter(), step, None, self.top, differentiable=False, side=side)
         # (a while that vmap already batched runs every lane as one value: no lane_running)
@@ -369,6 +461,15 @@ class _WhileRewrite:
         if self.stepped is None:
             return self.user_body(step, carry, outer=self.lane_running)
         return _seam.call_closed(self.stepped, [step, *self.bconsts, *self.cconsts, *self.lane_flags, *carry])
+
+    def gathered(self, wants, into):
+        """As the user's loop, its events gathered into ``into`` (see
+        ``_driver.gather_while``); None where they would not fit."""
+        ncarry, runner = len(self.init), self.runner()
+        return _seam_list(gather_while(
+            self.walker, wants, self.path, self.top, self.side, runner.state,
+            lambda st: self.user_cond(st[:ncarry], loud=True), lambda i, st: self.step(i, st[:ncarry]),
+            runner.observe, into, self.lane_running), ncarry)
 
     def runner(self) -> Runner:
         ncarry = len(self.init)

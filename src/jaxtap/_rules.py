@@ -24,6 +24,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from . import _seam
+from ._emit import warn_where
 
 RULES: dict = {}  # Primitive -> rule
 
@@ -100,6 +101,68 @@ def _zero_tangent(x):
     return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
+def _tapped(tapped_fn):
+    def tapped(*a):
+        # JAX may trace this later, outside the interception; loops inside
+        # it are observed, never differentiated, whatever the trace chain says
+        with _seam.quiet(), _seam.differentiated(False):
+            return list(tapped_fn(*a))
+
+    return tapped
+
+
+def _events_only(tapped_fn):
+    """``tapped_fn`` run for its events alone (the user's debug callbacks
+    left out), as one opaque equation to autodiff with zero tangents:
+    partial evaluation (e.g. of jax.checkpoint) never looks inside it to
+    recompute parts, which a while loop holding callbacks could not support."""
+    tapped = _tapped(tapped_fn)
+
+    def events_run(*a):
+        _EVENTS_ONLY.depth += 1
+        try:
+            return tapped(*a)
+        finally:
+            _EVENTS_ONLY.depth -= 1
+
+    events = jax.custom_jvp(events_run)
+
+    def events_rule(primals, tangents):
+        out = events(*primals)
+        return out, [_zero_tangent(o) for o in out]
+
+    events.defjvp(events_rule)
+    return events
+
+
+def shadowed(tapped_fn, plain_fn, args):
+    """Evaluate ``plain_fn(*args)``, the user's loop as written, and run
+    ``tapped_fn`` on the same (gradient-stopped) inputs for its events alone.
+
+    For a loop whose tapped form XLA would compile otherwise than the
+    user's own: one whose body holds primitive taps (a value the user's
+    fusion keeps inside gets a second reader, and JAX 0.12.1's XLA:CPU
+    contracts a multiply-add into one FMA only where the product has one),
+    and a short scan (XLA unrolls a loop whose trip count it knows). The
+    program's values are then its own by construction; the events come from
+    the copy (which may round a last bit apart from the program's own run).
+    Outside differentiation what follows the loop waits for the copy (an
+    optimization barrier), so events keep the program's order.
+    """
+    seen = _events_only(tapped_fn)(*[jax.lax.stop_gradient(x) for x in args])
+    outs = list(plain_fn(*args))
+    token = [x for x in seen if _seam.is_plain_array(x)][:1]
+    if not token or not outs or _seam.differentiating():
+        return outs
+    apart = _seam.bits_differ([(a, b) for a, b in zip(outs, seen) if _seam.is_plain_array(a)])
+    if apart is not None:
+        warn_where(apart, "jax-tap: the events of a loop come from a copy of it (see README, \"Loops that run "
+                          "twice\"), and this copy rounded apart from your program's own run: your program's "
+                          "values are its own, bit for bit, but the events may differ from them in their last bits "
+                          "(and, in a loop sensitive to them, in more).")
+    return list(_seam.optimization_barrier((outs, token))[0])
+
+
 def observed(tapped_fn, plain_fn, args):
     """Evaluate ``tapped_fn(*args)``; differentiate ``plain_fn`` instead.
 
@@ -117,30 +180,7 @@ def observed(tapped_fn, plain_fn, args):
     evaluation does not reproduce bit for bit). Otherwise a ``custom_jvp``
     defers the choice to whatever transformation comes later.
     """
-    def tapped(*a):
-        # JAX may trace this later, outside the interception; loops inside
-        # it are observed, never differentiated, whatever the trace chain says
-        with _seam.quiet(), _seam.differentiated(False):
-            return list(tapped_fn(*a))
-
-    def events_run(*a):
-        _EVENTS_ONLY.depth += 1
-        try:
-            return tapped(*a)
-        finally:
-            _EVENTS_ONLY.depth -= 1
-
-    # The events-only run is one opaque equation to autodiff: partial
-    # evaluation (e.g. of jax.checkpoint) never looks inside it to recompute
-    # parts, which a while loop holding callbacks could not support.
-    events = jax.custom_jvp(events_run)
-
-    def events_rule(primals, tangents):
-        out = events(*primals)
-        return out, [_zero_tangent(o) for o in out]
-
-    events.defjvp(events_rule)
-
+    tapped, events = _tapped(tapped_fn), _events_only(tapped_fn)
     if _seam.differentiating():
         events(*[jax.lax.stop_gradient(x) for x in args])
         return list(plain_fn(*args))

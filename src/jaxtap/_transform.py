@@ -15,7 +15,8 @@ from jax import lax
 
 from . import _seam
 from ._cotangents import cotangent_select
-from ._emit import CarryLeaves, Meta, Side, TapSelectError, emit, finite_flag, run_select
+from ._emit import CarryLeaves, Meta, TapSelectError, emit, finite_flag, run_select
+from ._side import Side
 from ._options import Plan, PrimTap
 from ._scope import Counter, OwnIndex, Scope, SiteIndex
 from ._rules import RULES, events_only, observed, register, ruled_names
@@ -129,6 +130,18 @@ class Walker:
                 break
         self._needs[key] = (jaxpr, result)
         return result
+
+    def sides_for(self, body) -> bool:
+        """Does a loop body ship its primitive taps (tripwires too) to the
+        loop's driver, as extra outputs of its step (an ``_emit.Side``)? Where
+        buffered, and where the body has no effect of its own: its steps then
+        run with no callback, compiled as the user's are (a body with the
+        user's own callbacks emits in place, so they see its events live)."""
+        return self.buffers or (not body.effects and self.needs(body))
+
+    def taps_any(self, names) -> bool:
+        """Would a primitive tap (or tripwire) fire on any of ``names``?"""
+        return bool(self._births) or not self._tap_names.isdisjoint(names)
 
     def eqn_needs(self, eqn) -> bool:
         if eqn.primitive.name in (_seam.SCAN, _seam.WHILE) and self.plan.emits_loops:
@@ -247,10 +260,13 @@ class Walker:
             self._emit_when(born, sampled, meta, step, scope, name, site)
 
     def _emit_when(self, flag, sampled, meta, step, scope, name, site):
-        when = _both(_both(flag, sampled), scope.lane_running)
         # a tripwire ships nothing but the fact; in the backward pass it names
         # the primitive and the user line whose derivative tripped it
         value = _seam.describe_site(name, site) if meta.backward else np.bool_(False)
+        if scope.side is not None:  # in a loop body: its driver ships it where it fired
+            scope.side.add(meta, value, fired=flag)
+            return
+        when = _both(_both(flag, sampled), scope.lane_running)
         emit([meta], lambda: [value], self.sinks.guard, step=step, sample_every=1, when=when,
              batched_hop=not scope.differentiable)
 

@@ -59,6 +59,7 @@ __all__ = [
     "impl_count",
     "top_loops",
     "scan_reverse",
+    "scan_unroll",
     "TAP_SCOPE",
     "LOOP_SCOPE",
     "tap_scope",
@@ -67,6 +68,8 @@ __all__ = [
     "primitive_named",
     "is_leaf_float_eqn",
     "is_inexact",
+    "is_plain_array",
+    "bits_differ",
     "collect_names",
 ]
 
@@ -316,6 +319,11 @@ def scan_reverse(params) -> bool:
     return bool(params["reverse"])
 
 
+def scan_unroll(params):
+    """A scan's ``unroll``, as ``lax.scan`` takes it."""
+    return params.get("unroll", 1)
+
+
 # Equations jax-tap stages carry these names in their name stack, so a walk
 # that meets a program an earlier interception already tapped (a jit cache
 # hit) recognizes them: stale emissions are dropped, tapped loops kept whole.
@@ -373,6 +381,39 @@ def is_inexact(dtype) -> bool:
         return dtype is not None and bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
     except TypeError:  # extended dtypes (PRNG keys) are never NaN
         return False
+
+
+def is_plain_array(x) -> bool:
+    """An array of numbers or bools (no PRNG key, no float0): one an
+    optimization barrier takes as it is."""
+    dtype = getattr(x, "dtype", None)
+    try:
+        return dtype is not None and (bool(jax.numpy.issubdtype(dtype, jax.numpy.number)) or dtype == bool)
+    except TypeError:
+        return False
+
+
+def bits_differ(pairs):
+    """Traced: do any of the ``(a, b)`` array pairs differ bit for bit?
+    (None for no pairs.) Floats compare as their bits: NaN equals NaN."""
+    flags = []
+    for a, b in pairs:
+        if a.shape != b.shape or a.dtype != b.dtype:
+            continue
+        if jax.numpy.issubdtype(a.dtype, jax.numpy.complexfloating):
+            a, b = jax.numpy.stack([a.real, a.imag]), jax.numpy.stack([b.real, b.imag])
+        if jax.numpy.issubdtype(a.dtype, jax.numpy.floating):
+            width = {2: jax.numpy.uint16, 4: jax.numpy.uint32, 8: jax.numpy.uint64}.get(a.dtype.itemsize)
+            if width is None:
+                continue
+            a, b = jax.lax.bitcast_convert_type(a, width), jax.lax.bitcast_convert_type(b, width)
+        flags.append(jax.numpy.any(a != b))
+    if not flags:
+        return None
+    out = flags[0]
+    for f in flags[1:]:
+        out = out | f
+    return out
 
 
 # jax-tap's own primitives (.callback): never a name the user's program has

@@ -14,7 +14,7 @@ import numpy as np
 from jax import lax
 
 from . import _seam
-from ._emit import Block, Buffer, emit, split_all
+from ._emit import Block, Buffer, emit
 from ._rules import both as _both, one as _one
 
 
@@ -179,13 +179,13 @@ def drive(walker, wants, path, top, runner: Runner, side=None, collect=None, lan
     # runner: XLA then schedules the events-only forward run before the
     # backward pass, which nothing else orders; see Runner.advance)
     runner = runner._replace(every=0 if walker.plan.backward else walker.plan.sample_every)
-    if collect is not None:  # inside a step that ships its inner loops' events: no callback here
-        out = _collect(metas, payloads, runner, k0, walker.sinks.guard, collect)
-        if out is not None:
-            return out
     if walker.plan.flush_every is None:
         drive = _drive_scan if runner.uniform else _drive_while
         return drive(walker, metas, payloads, runner, k0, lane_running, fired)
+    if collect is not None:
+        out = _collect(metas, payloads, runner, k0, walker.sinks.guard, collect)
+        if out is not None:
+            return out
     return _drive_buffered(walker, metas, payloads, runner, k0, lane_running, nested="/" in path)
 
 
@@ -288,10 +288,6 @@ def _drive_buffered(walker, metas, payloads, runner, k0, lane_running, nested=Fa
 
 _NESTED_WHILE_ROWS = 64  # rows of a buffered while loop nested in another loop
 _BLOCK_BYTES = 4 << 20  # the most device memory blocks may add to a buffer
-# a while loop gathered into its enclosing step (gather_while): its rows, and
-# the most bytes its buffer may take (it crosses whole with every outer step)
-_GATHERED_WHILE_ROWS = 1024
-_GATHERED_WHILE_BYTES = 64 << 10
 _BUFFER_BYTES = 4 << 20  # the most device memory one loop's buffer may take (a flush ships it whole)
 
 
@@ -316,63 +312,3 @@ def _collect(metas, payloads, runner, k, guard, into):
     cs = _seam.while_loop(lambda cs: lax.lt(cs[0], n), c_body, start)
     into.add(Block(metas, buf.layouts, total), list(cs[3 + n_state:]))  # rows in execution order; steps implied
     return list(cs[2:2 + n_state])
-
-
-
-def gather_while(walker, wants, path, top, side, init, cond, step, observe, into, lane_running=None):
-    """A while loop inside a step that ships its inner loops' events (no
-    callback there), kept as the user's loop: ``cond(state)`` and
-    ``step(i, state)`` are the user's, each step's events are written into a
-    buffer of ``_GATHERED_WHILE_ROWS`` rows, and the buffer with the number
-    of steps joins ``into`` as a counted Block (steps past the buffer are
-    counted, not kept; the host warns). None where the buffer would pass
-    ``_GATHERED_WHILE_BYTES`` (it crosses whole with every outer step): the
-    loop is then driven, its own hops inside the outer loop. Returns the
-    final state."""
-    metas, loop_payloads = walker.loop_parts(wants, path, top, None)
-    metas = (side.metas if side is not None else []) + metas
-
-    def payloads(carry, ys, side_values):
-        return (side.payloads(side_values) if side is not None else []) + loop_payloads(carry, ys)
-
-    cap, n = _GATHERED_WHILE_ROWS, len(init)
-    buf = Buffer(metas, payloads, observe, cap, walker.sinks.guard)
-    buf.prepare(init, lambda st: step(_FIRST_STEP, st))
-    if into.rows * (cap + 1) * buf.row_bytes() > _GATHERED_WHILE_BYTES:
-        return None
-
-    def body(s):
-        i, j, m, st, bufs = s[0], s[1], s[2], list(s[3:3 + n]), list(s[3 + n:])
-        st2 = list(step(i, st))
-        j2, bufs2 = buf.write(_both(lax.lt(j, np.int32(cap)), lane_running), j, i, st2, bufs)
-        m2 = lax.add(m, _one() if lane_running is None else lax.convert_element_type(lane_running, np.int32))
-        return (lax.add(i, _one()), j2, m2, *st2, *bufs2)
-
-    s = _seam.while_loop(lambda s: cond(list(s[3:3 + n])), body,
-                         (_FIRST_STEP, np.int32(0), np.int32(0), *init, *buf.empty()))
-    into.add(Block(metas, buf.layouts, cap, counted=True), [s[2], *s[4 + n:]])
-    return list(s[3:3 + n])
-
-
-class _Row:
-    """A step's events as operands, their host layouts kept (see stacked_rows)."""
-
-    def __init__(self, payloads):
-        self.payloads, self.layouts = payloads, []
-
-    def operands(self, carry, ys, side_values):
-        operands, self.layouts = split_all(self.payloads(carry, ys, side_values))
-        return operands
-
-
-def stacked_rows(walker, wants, path, top, total, side=None):
-    """(metas, row) of a loop whose steps' events are stacked as extra
-    outputs of the user's own loop: ``row.operands(carry, ys, side values)``
-    is a step's (traced in its body), ``row.layouts`` their host layouts."""
-    metas, loop_payloads = walker.loop_parts(wants, path, top, total)
-    metas = (side.metas if side is not None else []) + metas  # a step's primitive events before its carry
-
-    def payloads(carry, ys, side_values):
-        return (side.payloads(side_values) if side is not None else []) + loop_payloads(carry, ys)
-
-    return metas, _Row(payloads)

@@ -243,27 +243,17 @@ class Block:
     events (and nested blocks), so the inner loop needs no callback at all.
     """
 
-    __slots__ = ("length", "metas", "layouts", "gated", "counted")
+    __slots__ = ("length", "metas", "layouts", "gated")
 
-    def __init__(self, metas, layouts, length, gated=False, counted=False):
+    def __init__(self, metas, layouts, length, gated=False):
         self.metas = list(metas)  # one step's entries (Meta or Block) ...
         self.layouts = list(layouts)  # ... and their Layouts
         self.length = length
         self.gated = gated  # its payload is (ran?, arrays): a scan in a cond branch
-        # its payload is (steps run, arrays of length + 1 rows): a while loop's
-        self.counted = counted
 
     def expand(self, arrays, lane, guard):
         """Deliver every step of ``arrays`` (host, one per value, steps leading)."""
         n = self.length
-        if self.counted:
-            ran, arrays = int(np.asarray(arrays[0])), arrays[1:]
-            if ran > n:
-                path = getattr(self.metas[-1], "path", "a loop")
-                warn_once_now(f"jax-tap: {path} ran {ran} steps within one step of the loop around it, whose "
-                              f"events carry {n} of them (its steps ride in the outer step's hop): the steps "
-                              f"past {n} were not kept. sample_every > 1 ships this loop on its own.")
-            n = min(ran, n)
         if len(self.metas) == 1 and _is_column(self.metas[0], self.layouts[0]):
             _deliver_column(self.metas[0], guard, list(range(n)), arrays[0], n, lane)
             return

@@ -14,8 +14,7 @@ from jax import lax
 
 from . import _seam
 from ._cotangents import cotangent_view
-from ._driver import _BLOCK_BYTES, Runner, drive, gather_while, stacked_rows
-from ._emit import Block
+from ._driver import Runner, drive
 from ._side import Side
 from ._host import warn_once_now
 from ._rules import bind as _bind, bool_aval as _bool_aval, both as _both, int32_aval as _int32_aval, one as _one
@@ -88,8 +87,8 @@ class _ScanRewrite:
         self.emits = any(self.wants)
         plan = walker.plan
         # an inner scan no longer than K may ride in its enclosing buffered step
-        self.as_block = (scope.side is not None and plan.sample_every == 1
-                         and self.length <= (plan.flush_every or self.length))
+        self.as_block = (scope.side is not None and walker.buffers and plan.sample_every == 1
+                         and self.length <= plan.flush_every)
         self.rows = scope.side.rows * self.length if self.as_block else (plan.flush_every or 1)
         self.sides = walker.sides_for(self.body.jaxpr)  # (see Walker.sides_for)
         # inside a vmapped while body (or a branch of a batched cond), events of
@@ -157,8 +156,10 @@ class _ScanRewrite:
         return self._observe(self._counted, invals)
 
     def _observe(self, run, invals):
-        shadow = self.view is None and shadows(self.walker, self.body.jaxpr, self.length)
-        return (shadowed if shadow else observed)(run, self._plain, invals)
+        if self.view is None and shadows(self.walker, self.body.jaxpr, self.length):
+            # (a short scan's copy is not unrolled as the program's run is: its last bits may differ)
+            return shadowed(run, self._plain, invals, check=shadows(self.walker, self.body.jaxpr))
+        return observed(run, self._plain, invals)
 
     def _counted(self, *args):
         nc, ng = self.nc, len(self.lane_flags)
@@ -176,16 +177,9 @@ class _ScanRewrite:
         return outs[1:]
 
     def block(self, invals):
-        """Inside a step that ships its inner loops' events: this whole scan
-        becomes one Block of that step (never differentiated). Forward, the
-        user's own scan with each step's events as extra outputs; else (or
-        where the block would make the device buffer too large) collected by
-        a callback-free driver, or failing that, driven."""
-        if self.view is None:
-            out = _gathered_scan(self.walker, self.wants, self.params, self.stepped, self.path, self.top, invals,
-                                 self.side, self.lane_running, self.scope.side)
-            if out is not None:
-                return out
+        """Inside a buffered step: this whole scan becomes one Block of that
+        step, collected by a callback-free driver (never differentiated),
+        unless the block would make the device buffer too large."""
         return _scan_driver(self.walker, self.wants, self.params, self.stepped, self.path, self.top, invals,
                             self.side, self.lane_running, collect=self.scope.side, view=self.view)
 
@@ -284,46 +278,6 @@ def _scan_driver(walker, wants, params, stepped, path, top, args, side, lane_run
     return out[:ncar + nys]
 
 
-def _gathered_scan(walker, wants, params, stepped, path, top, args, side, lane_running, into):
-    """The user's scan (same length, direction and unroll: XLA compiles it
-    as untapped, unrolled where short) with each step's events as extra
-    outputs, joining ``into`` as one Block; None where it would not fit."""
-    body, nc, ncar, length = _seam.scan_parts(params)
-    reverse = _seam.scan_reverse(params)
-    consts, carry, xs = list(args[:nc]), list(args[nc:nc + ncar]), list(args[nc + ncar:])
-    nys = len(body.out_avals) - ncar
-    fwd = _seam.forwarding_of(_seam.scan_p, params)
-    if wants[1] and not nys and not (fwd is not None and fwd.ys):
-        wants = (wants[0], False)  # a body returning (carry, None) has no outputs
-    metas, row = stacked_rows(walker, wants, path, top, length, side)
-    counted, flags = _reads_step(stepped), [] if lane_running is None else [lane_running]
-    steps = lax.iota(np.int32, length)
-
-    def step(c, x):
-        x, i = (x[:-1], x[-1]) if counted else (x, np.int32(0))
-        outs = _seam.call_closed(stepped, [i, *consts, *c, *x, *flags])
-        new, ys, side_values = outs[:ncar], outs[ncar:ncar + nys], outs[ncar + nys:]
-        seen_c, seen_ys = _user_view(fwd, new, list(ys) if wants[1] else None, consts, [v[None] for v in x],
-                                     np.int32(0))
-        return list(new), (list(ys), row.operands(seen_c, seen_ys or [], side_values))
-
-    order = lax.rev(steps, (0,)) if reverse else steps  # the step that reads each position
-    carry, (ys, stacked) = lax.scan(step, carry, xs + [order] if counted else xs, length=length,
-                                    reverse=reverse, unroll=_seam.scan_unroll(params))
-    if into.rows * sum(v.size * v.dtype.itemsize for v in stacked) > _BLOCK_BYTES:
-        return None  # (the scan just staged is dead code then: XLA drops it)
-    if reverse:  # rows in execution order
-        stacked = [lax.rev(v, (0,)) for v in stacked]
-    into.add(Block(metas, row.layouts, length), list(stacked), fired=lane_running)
-    return list(carry) + list(ys)
-
-
-def _reads_step(closed) -> bool:
-    """Does a traced step read its step counter (its first input)?"""
-    v = closed.jaxpr.invars[0]
-    return v in closed.jaxpr.outvars or any(v in e.invars for e in closed.jaxpr.eqns)
-
-
 @register(_seam.while_p)
 def handle_while(walker, eqn, params, invals, scope, site):
     """A while loop: observed through a driver and an effect-free runner.
@@ -352,8 +306,6 @@ def handle_while(walker, eqn, params, invals, scope, site):
     def tapped(*args):
         return _tapped_while(walker, scope, path, top, wants, emits, cond, cnc, body, bnc, list(args), fwd)
 
-    if _gathered(walker, scope):
-        return tapped(*invals)  # gathered into its enclosing step, whose driver is never differentiated
     shadow = shadows(walker, body.jaxpr) and not cond.jaxpr.effects
     return (shadowed if shadow else observed)(tapped, plain, list(invals))
 
@@ -362,21 +314,8 @@ def _tapped_while(walker, scope, path, top, wants, emits, cond, cnc, body, bnc, 
     loop = _WhileRewrite(walker, scope, path, top, cond, cnc, body, bnc, invals, fwd)
     if not emits and loop.side is None:
         return loop.thread()  # nothing to emit here: only thread the step through for the inner taps
-    if _gathered(walker, scope) and not loop.batched:
-        out = loop.gathered(wants, scope.side)
-        if out is not None:
-            return out
     out = drive(walker, wants, path, top, loop.runner(), side=loop.side, lane_running=loop.lane_running)
     return out[:len(loop.init)]
-
-
-def _seam_list(state, n):
-    return None if state is None else list(state[:n])
-
-
-def _gathered(walker, scope) -> bool:
-    """Does a loop here ship its events with its enclosing step (no callback)?"""
-    return scope.side is not None and walker.plan.sample_every == 1
 
 
 class _WhileRewrite:
@@ -461,15 +400,6 @@ class _WhileRewrite:
         if self.stepped is None:
             return self.user_body(step, carry, outer=self.lane_running)
         return _seam.call_closed(self.stepped, [step, *self.bconsts, *self.cconsts, *self.lane_flags, *carry])
-
-    def gathered(self, wants, into):
-        """As the user's loop, its events gathered into ``into`` (see
-        ``_driver.gather_while``); None where they would not fit."""
-        ncarry, runner = len(self.init), self.runner()
-        return _seam_list(gather_while(
-            self.walker, wants, self.path, self.top, self.side, runner.state,
-            lambda st: self.user_cond(st[:ncarry], loud=True), lambda i, st: self.step(i, st[:ncarry]),
-            runner.observe, into, self.lane_running), ncarry)
 
     def runner(self) -> Runner:
         ncarry = len(self.init)

@@ -42,7 +42,7 @@ class Side:
         event exists only where it is true."""
         if fired is not None:
             if isinstance(meta, Block) and not meta.gated:
-                meta = Block(meta.metas, meta.layouts, meta.length, gated=True, counted=meta.counted)
+                meta = Block(meta.metas, meta.layouts, meta.length, gated=True)
             elif not meta.gated:
                 meta = Meta(meta.deliver, meta.path, meta.top, meta.total, meta.kind, gated=True,
                             backward=meta.backward, lanes=meta.lanes)

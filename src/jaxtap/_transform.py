@@ -137,7 +137,7 @@ class Walker:
         buffered, and where the body has no effect of its own: its steps then
         run with no callback, compiled as the user's are (a body with the
         user's own callbacks emits in place, so they see its events live)."""
-        return self.buffers or (not body.effects and self.needs(body))
+        return self.buffers or (bool(self.plan.prim_taps) and not body.effects)
 
     def taps_any(self, names) -> bool:
         """Would a primitive tap (or tripwire) fire on any of ``names``?"""

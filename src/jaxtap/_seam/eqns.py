@@ -59,7 +59,6 @@ __all__ = [
     "impl_count",
     "top_loops",
     "scan_reverse",
-    "scan_unroll",
     "TAP_SCOPE",
     "LOOP_SCOPE",
     "tap_scope",
@@ -317,11 +316,6 @@ def top_loops(jaxpr):
 
 def scan_reverse(params) -> bool:
     return bool(params["reverse"])
-
-
-def scan_unroll(params):
-    """A scan's ``unroll``, as ``lax.scan`` takes it."""
-    return params.get("unroll", 1)
 
 
 # Equations jax-tap stages carry these names in their name stack, so a walk

@@ -156,9 +156,10 @@ class _ScanRewrite:
         return self._observe(self._counted, invals)
 
     def _observe(self, run, invals):
-        if self.view is None and shadows(self.walker, self.body.jaxpr, self.length):
+        why = shadows(self.walker, self.body.jaxpr, self.length) if self.view is None else None
+        if why:
             # (a short scan's copy is not unrolled as the program's run is: its last bits may differ)
-            return shadowed(run, self._plain, invals, check=shadows(self.walker, self.body.jaxpr))
+            return shadowed(run, self._plain, invals, check=why == "taps")
         return observed(run, self._plain, invals)
 
     def _counted(self, *args):
@@ -210,18 +211,20 @@ class _ScanRewrite:
 _SHORT_SCAN = 32
 
 
-def shadows(walker, jaxpr, length=None) -> bool:
+def shadows(walker, jaxpr, length=None):
     """Does this loop run as written, its tapped form a copy for events?
-    Where its body (at any depth) holds primitive taps, or it is a short
-    scan with no loop inside (``length``: a scan's). Never inside a copy,
-    nor where the body has callbacks of the user's (XLA compiles such a loop
-    as a tapped one already, and they must see its events live)."""
+    ``"taps"`` where its body (at any depth) holds primitive taps, ``"short"``
+    for a short scan with no loop inside (``length``: a scan's), else None.
+    Never inside a copy, nor where the body has callbacks of the user's (XLA
+    compiles such a loop as a tapped one already, and they must see its
+    events live)."""
     if events_only() or jaxpr.effects:
-        return False
+        return None
     names = tappable_names(jaxpr)
     if walker.taps_any(names):
-        return True
-    return length is not None and length <= _SHORT_SCAN and _seam.SCAN not in names and _seam.WHILE not in names
+        return "taps"
+    short = length is not None and length <= _SHORT_SCAN and _seam.SCAN not in names and _seam.WHILE not in names
+    return "short" if short else None
 
 
 def _user_view(fwd, carry, ys, consts, xs, idx):
@@ -306,7 +309,7 @@ def handle_while(walker, eqn, params, invals, scope, site):
     def tapped(*args):
         return _tapped_while(walker, scope, path, top, wants, emits, cond, cnc, body, bnc, list(args), fwd)
 
-    shadow = shadows(walker, body.jaxpr) and not cond.jaxpr.effects
+    shadow = shadows(walker, body.jaxpr) is not None and not cond.jaxpr.effects
     return (shadowed if shadow else observed)(tapped, plain, list(invals))
 
 

@@ -133,7 +133,7 @@ class Walker:
 
     def sides_for(self, body) -> bool:
         """Does a loop body ship its primitive taps (tripwires too) to the
-        loop's driver, as extra outputs of its step (an ``_emit.Side``)? Where
+        loop's driver, as extra outputs of its step (a ``_side.Side``)? Where
         buffered, and where the body has no effect of its own: its steps then
         run with no callback, compiled as the user's are (a body with the
         user's own callbacks emits in place, so they see its events live)."""
